@@ -1,0 +1,64 @@
+"""phalanx: a runtime for distributed reinforcement learning on Ray.
+
+Public names are importable from here. Modules that need torch are imported on first
+use, so a worker process that does not touch them starts quickly.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .address import WorkerAddress
+from .builder import RayWorkerBuilder
+from .cluster import Cluster, NodeInfo
+from .errors import GroupTimeoutError, WorkerDiedError, WorkerError
+from .futures import GroupHandle, MultiWorkerFuture
+from .group import RayWorkerGroup, UnknownMethodError, WorkerGroup
+from .placement import FlexiblePlacement, NodePlacement, PackedPlacement, Placement, WorkerSlot
+from .sharding import NamedSharding
+from .timing import reduce_durations
+from .virtual_cluster import RayVirtualCluster
+from .worker import Worker, WorkerInfo
+
+__version__ = "0.1.0"
+
+# name -> module, imported lazily (these pull in torch).
+_LAZY = {
+    "BatchedDataDict": ".data",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
+
+
+__all__ = [
+    "BatchedDataDict",
+    "Cluster",
+    "FlexiblePlacement",
+    "GroupHandle",
+    "GroupTimeoutError",
+    "MultiWorkerFuture",
+    "NamedSharding",
+    "NodeInfo",
+    "NodePlacement",
+    "PackedPlacement",
+    "Placement",
+    "RayVirtualCluster",
+    "RayWorkerBuilder",
+    "RayWorkerGroup",
+    "UnknownMethodError",
+    "Worker",
+    "WorkerAddress",
+    "WorkerDiedError",
+    "WorkerError",
+    "WorkerGroup",
+    "WorkerInfo",
+    "WorkerSlot",
+    "reduce_durations",
+]

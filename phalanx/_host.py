@@ -1,0 +1,204 @@
+"""The Ray actor that hosts one worker object and runs every group call on it.
+
+All faces of a group end in ``_px_call`` (or ``_px_stream`` for generators, ``_px_apply``
+for functions given to ``foreach_worker``). Keeping one entry point gives one place for
+error wrapping, timers, tracing and weight application between calls. Control calls
+(ping, stacks) run in their own concurrency group so a stuck method cannot block them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import importlib
+import inspect
+import io
+import os
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import ray
+
+from .errors import WorkerError
+from .timing import TimerRecorder
+from .worker import BASE_ATTRIBUTES, Worker, WorkerContext
+
+CONTROL_GROUP = "_px_control"
+
+
+def load_class(cls_or_fqn: Any) -> type:
+    """The worker class from a class, a ``@ray.remote`` class, or ``"pkg.module.Class"``."""
+    if isinstance(cls_or_fqn, str):
+        module_name, _, class_name = cls_or_fqn.rpartition(".")
+        if not module_name:
+            raise ValueError(f"worker class must be 'module.Class', got {cls_or_fqn!r}")
+        cls = getattr(importlib.import_module(module_name), class_name)
+    else:
+        cls = cls_or_fqn
+    # A @ray.remote-decorated class: host the plain class it wraps.
+    inner = getattr(cls, "__ray_actor_class__", None)
+    return inner if inner is not None else cls
+
+
+def method_kinds(cls: type) -> dict[str, str]:
+    """Public methods of a worker class: name -> sync | async | gen | asyncgen."""
+    kinds = {}
+    for name in dir(cls):
+        if name.startswith("_") or name in BASE_ATTRIBUTES:
+            continue
+        attr = inspect.getattr_static(cls, name)
+        if isinstance(attr, (staticmethod, classmethod)):
+            attr = attr.__func__
+        if not callable(attr) or isinstance(attr, type):
+            continue
+        if inspect.isasyncgenfunction(attr):
+            kinds[name] = "asyncgen"
+        elif inspect.iscoroutinefunction(attr):
+            kinds[name] = "async"
+        elif inspect.isgeneratorfunction(attr):
+            kinds[name] = "gen"
+        else:
+            kinds[name] = "sync"
+    return kinds
+
+
+class WorkerHost:
+    """Hosts the user's worker object inside a Ray actor process."""
+
+    def __init__(self, cls_or_fqn: Any, ctx: WorkerContext, args: tuple, kwargs: dict):
+        os.environ.update(ctx.env)
+        os.environ.update(ctx.rank_env())
+        self._ctx = ctx
+        self._timers = TimerRecorder()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_lock = threading.Lock()
+        self._current: tuple[str, float] | None = None
+        cls = load_class(cls_or_fqn)
+        self._cls = cls
+        self._kinds = method_kinds(cls)
+        obj = cls.__new__(cls)
+        if isinstance(obj, Worker):
+            obj._px_bind(ctx, self._timers)
+        try:
+            obj.__init__(*args, **kwargs)
+        except Exception as e:
+            raise WorkerError(
+                ctx.group_name,
+                ctx.rank,
+                "__init__",
+                traceback.format_exc(),
+                type(e).__name__,
+                str(e),
+            ) from None
+        self._obj = obj
+
+    # -- calls ------------------------------------------------------------------------
+    def _px_describe(self) -> dict[str, Any]:
+        gpu_ids = []
+        try:
+            gpu_ids = [int(g) for g in ray.get_gpu_ids()]
+        except Exception:  # noqa: BLE001
+            pass
+        return {
+            "methods": self._kinds,
+            "class": f"{self._cls.__module__}.{self._cls.__qualname__}",
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ray_gpu_ids": gpu_ids,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+
+    def _px_call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        fn = self._resolve(method)
+        try:
+            if self._kinds.get(method) == "async":
+                return self._run_coro(fn(*args, **kwargs))
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise self._error(method, e) from None
+
+    def _px_stream(self, method: str, args: tuple, kwargs: dict) -> Iterator[Any]:
+        fn = self._resolve(method)
+        try:
+            if self._kinds.get(method) == "asyncgen":
+                agen = fn(*args, **kwargs)
+                while True:
+                    try:
+                        yield self._run_coro(agen.__anext__())
+                    except StopAsyncIteration:
+                        return
+            else:
+                yield from fn(*args, **kwargs)
+        except Exception as e:
+            raise self._error(method, e) from None
+
+    def _px_apply(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """Run ``fn(worker, *args, **kwargs)`` (RLlib's ``foreach_worker`` with a function)."""
+        name = getattr(fn, "__name__", "function")
+        try:
+            out = fn(self._obj, *args, **kwargs)
+            if inspect.iscoroutine(out):
+                out = self._run_coro(out)
+            return out
+        except Exception as e:
+            raise self._error(name, e) from None
+
+    def _px_pop_durations(self) -> dict[str, float]:
+        return self._timers.consume()
+
+    # -- control (own concurrency group) ------------------------------------------------
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def _px_ping(self) -> int:
+        return os.getpid()
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def _px_stacks(self) -> str:
+        """Python stacks of every thread of this process, now."""
+        buf = io.StringIO()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            buf.write(f"--- thread {names.get(ident, ident)} ---\n")
+            buf.write("".join(traceback.format_stack(frame)))
+        return buf.getvalue()
+
+    # -- helpers ------------------------------------------------------------------------
+    def _resolve(self, method: str) -> Callable[..., Any]:
+        try:
+            return getattr(self._obj, method)
+        except AttributeError:
+            raise WorkerError(
+                self._ctx.group_name,
+                self._ctx.rank,
+                method,
+                "",
+                "AttributeError",
+                f"{type(self._obj).__name__} has no method {method!r}",
+            ) from None
+
+    def _error(self, method: str, e: Exception) -> WorkerError:
+        if isinstance(e, WorkerError):
+            return e
+        return WorkerError(
+            self._ctx.group_name,
+            self._ctx.rank,
+            method,
+            traceback.format_exc(),
+            type(e).__name__,
+            str(e),
+        )
+
+    def _run_coro(self, coro: Any) -> Any:
+        """Run a coroutine on this worker's own event loop thread (created on first use)."""
+        with self._loop_lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(
+                    target=self._loop.run_forever, name="phalanx-loop", daemon=True
+                ).start()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+
+faulthandler.enable()

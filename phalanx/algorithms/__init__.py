@@ -1,0 +1,1 @@
+"""Layer 8: algorithms (PPO, GRPO) built on phalanx groups."""
