@@ -301,9 +301,43 @@ class WorkerGroup:
                         f"placement: node {node_rank} ({node.ip}) has {have:g} {key}, the group needs {res[key]:g}"
                     )
 
+    @staticmethod
+    def _check_bundles(slots: list[WorkerSlot]) -> None:
+        """Fail fast when a placement-group bundle is already taken by another group.
+
+        Ray's view of available resources lags a little behind, so a shortfall is re-read
+        for a few seconds before it counts.
+        """
+        need: dict[str, float] = {}
+        for s in slots:
+            if s.placement_group is None:
+                continue
+            pg_hex = s.placement_group.id.hex()
+            for res, amount in (("CPU", s.num_cpus), ("GPU", s.num_gpus)):
+                if amount > 0:
+                    key = f"{res}_group_{s.bundle_index}_{pg_hex}"
+                    need[key] = need.get(key, 0.0) + amount
+        deadline = time.monotonic() + 5.0
+        short: dict[str, tuple[float, float]] = {}
+        while need:
+            avail = ray.available_resources()
+            short = {
+                k: (a, avail.get(k, 0.0)) for k, a in need.items() if avail.get(k, 0.0) + 1e-9 < a
+            }
+            if not short or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        for key, (amount, have) in short.items():
+            res, _, bundle, _ = key.split("_", 3)
+            raise ValueError(
+                f"bundle {bundle}: needs {amount:g} {res}, {have:g} free; another group holds "
+                "it (co-locate groups with RayVirtualCluster(max_colocated_worker_groups=N))"
+            )
+
     def _start(self, slots: list[WorkerSlot]) -> None:
         if not slots:
             raise ValueError("placement produced no workers")
+        self._check_bundles(slots)
         ray_ns = self.sharding_annotations
         if ray_ns is not None and ray_ns.size != len(slots):
             raise ValueError(

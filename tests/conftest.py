@@ -21,31 +21,38 @@ if ROOT not in sys.path:
 import phalanx as px  # noqa: E402
 
 SESSION_CPUS = 32
+_state: dict[str, px.Cluster] = {}
 
 
-@pytest.fixture
+def _start_shared() -> px.Cluster:
+    return px.Cluster(num_cpus=SESSION_CPUS, num_gpus=0)
+
+
+@pytest.fixture(scope="session")
 def cluster() -> px.Cluster:
-    """The shared local Ray (started on first use, restarted after a ``fresh_ray`` test)."""
-    if not ray.is_initialized():
-        _state["cluster"] = px.Cluster(num_cpus=SESSION_CPUS, num_gpus=0)
-    c = _state.get("cluster")
-    if c is None:
-        c = _state["cluster"] = px.Cluster()
-    return c
+    """The shared local Ray of the session (restarted in place after a ``fresh_ray`` test)."""
+    if "cluster" not in _state:
+        if ray.is_initialized():
+            _state["cluster"] = px.Cluster()
+        else:
+            _state["cluster"] = _start_shared()
+    return _state["cluster"]
 
 
 @pytest.fixture
 def fresh_ray():
-    """Shut the shared Ray down for a test that starts its own (multi-node, GPUs)."""
+    """Shut the shared Ray down for a test that starts its own (several nodes, GPUs).
+
+    Afterwards the shared Ray is started again and the session's ``cluster`` object is
+    pointed at it, so later tests keep working.
+    """
     if ray.is_initialized():
         ray.shutdown()
-    _state.pop("cluster", None)
     yield
     if ray.is_initialized():
         ray.shutdown()
-
-
-_state: dict[str, px.Cluster] = {}
+    if "cluster" in _state:
+        _state["cluster"].__dict__.update(_start_shared().__dict__)
 
 
 def pytest_sessionfinish(session, exitstatus):
