@@ -76,6 +76,7 @@ class WorkerHost:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
         self._current: tuple[str, float] | None = None
+        self._exiting = threading.Event()  # set when a method calls sys.exit (see _px_watch)
         cls = load_class(cls_or_fqn)
         self._cls = cls
         self._kinds = method_kinds(cls)
@@ -111,16 +112,23 @@ class WorkerHost:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         }
 
-    def _px_call(self, method: str, args: tuple, kwargs: dict) -> Any:
+    def _px_call(self, _px_method__: str, *args: Any, **kwargs: Any) -> Any:
+        # Arguments travel as top-level task arguments: Ray resolves ObjectRefs among
+        # them, and a call without arguments costs one small argument (the name).
+        method = _px_method__
         fn = self._resolve(method)
         try:
             if self._kinds.get(method) == "async":
                 return self._run_coro(fn(*args, **kwargs))
             return fn(*args, **kwargs)
+        except SystemExit:
+            self._exiting.set()
+            raise
         except Exception as e:
             raise self._error(method, e) from None
 
-    def _px_stream(self, method: str, args: tuple, kwargs: dict) -> Iterator[Any]:
+    def _px_stream(self, _px_method__: str, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        method = _px_method__
         fn = self._resolve(method)
         try:
             if self._kinds.get(method) == "asyncgen":
@@ -132,17 +140,24 @@ class WorkerHost:
                         return
             else:
                 yield from fn(*args, **kwargs)
+        except SystemExit:
+            self._exiting.set()
+            raise
         except Exception as e:
             raise self._error(method, e) from None
 
-    def _px_apply(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def _px_apply(self, _px_fn__: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(worker, *args, **kwargs)`` (RLlib's ``foreach_worker`` with a function)."""
+        fn = _px_fn__
         name = getattr(fn, "__name__", "function")
         try:
             out = fn(self._obj, *args, **kwargs)
             if inspect.iscoroutine(out):
                 out = self._run_coro(out)
             return out
+        except SystemExit:
+            self._exiting.set()
+            raise
         except Exception as e:
             raise self._error(name, e) from None
 
@@ -153,6 +168,15 @@ class WorkerHost:
     @ray.method(concurrency_group=CONTROL_GROUP)
     def _px_ping(self) -> int:
         return os.getpid()
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def _px_watch(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s``; True when the worker is exiting (sys.exit in a method).
+
+        The driver's health monitor keeps one such call open per worker: it fails the
+        moment the actor dies. Returning early on exit lets the process end at once.
+        """
+        return self._exiting.wait(timeout_s)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def _px_stacks(self) -> str:

@@ -273,8 +273,18 @@ class WorkerGroup:
             seen = [(t[0], b) for t in bundle_indices_list for b in t[1]]
             if len(seen) != len(set(seen)):
                 raise ValueError(f"bundle_indices_list uses a bundle twice: {bundle_indices_list}")
-        slots = vc.slots(bundle_indices_list)
-        self._start(slots)
+        self._create_workers_from_bundle_indices(self._builder, bundle_indices_list)
+
+    def _create_workers_from_bundle_indices(
+        self,
+        remote_worker_builder: RayWorkerBuilder,
+        bundle_indices_list: list[tuple[int, list[int]]],
+    ) -> None:
+        """Create one worker per listed bundle; the first bundle of each tuple leads a tied group."""
+        if not isinstance(self.cluster, RayVirtualCluster):
+            raise RuntimeError("workers from bundle indices need a RayVirtualCluster")
+        self._builder = remote_worker_builder
+        self._start(self.cluster.slots(bundle_indices_list))
 
     def _resolve_name(self) -> str:
         name = self.name_prefix or f"{self._builder.class_name}_group_{next(_group_counter)}"
@@ -512,13 +522,15 @@ class WorkerGroup:
                 kwargs = {k: shared.get(id(v), v) for k, v in kwargs.items()}
             actor = actors[rank]
             if fn is not None:
-                refs.append(actor._px_apply.remote(fn, args, kwargs))
+                refs.append(actor._px_apply.remote(fn, *args, **kwargs))
             elif stream:
                 refs.append(
-                    actor._px_stream.options(num_returns="streaming").remote(method, args, kwargs)
+                    actor._px_stream.options(num_returns="streaming").remote(
+                        method, *args, **kwargs
+                    )
                 )
             else:
-                refs.append(actor._px_call.remote(method, args, kwargs))
+                refs.append(actor._px_call.remote(method, *args, **kwargs))
         return GroupHandle(self, method, [c[0] for c in calls], refs)
 
     @staticmethod

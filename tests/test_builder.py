@@ -81,7 +81,7 @@ def test_builder_call_and_async_with_initializer(cluster):
         )
         assert initializer is not None  # the class was given by name: the driver never imported it
         actor = ray.get(ref, timeout=60)
-        assert ray.get(actor._px_call.remote("get_cfg", (), {}), timeout=60) == {"k": 1}
+        assert ray.get(actor._px_call.remote("get_cfg"), timeout=60) == {"k": 1}
         ray.kill(actor)
         ray.kill(initializer)
     finally:

@@ -257,3 +257,10 @@ def test_full_bundles_fail_fast(vc, wg):
         assert time.monotonic() - t0 < 10
     finally:
         g.shutdown()
+
+
+def test_big_shared_payload_arrives_as_value(wg):
+    payload = np.arange(1 << 18, dtype=np.int64)  # 2 MB, shared by all 4 workers
+    results = ray.get(wg.run_all_workers_single_data("record", payload))
+    for r in results:
+        assert isinstance(r["args"][0], np.ndarray) and np.array_equal(r["args"][0], payload)

@@ -1,0 +1,778 @@
+"""``BatchedDataDict``: a dict of per-sample columns that can be sharded across workers.
+
+Every value is batched along its first dimension: a torch tensor or numpy array (dim 0 is
+the batch) or a list/tuple with one item per sample. Non-batched values (scalars, strings,
+0-d tensors) are not allowed; ``size`` rejects them. The dict is what a driver hands to a
+worker group: ``shard_by_batch_size`` splits it into one piece per data-parallel rank,
+optionally sorting by length (dynamic batching) or bin-packing sequences (sequence
+packing), and ``reorder_data`` puts the gathered outputs back in the caller's order.
+
+Shapes and semantics follow NeMo-RL's ``BatchedDataDict`` so that its users feel at home.
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Generic, TypedDict, TypeVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from typing_extensions import Self
+
+__all__ = [
+    "PACKING_ALGORITHMS",
+    "BatchedDataDict",
+    "DynamicBatchingArgs",
+    "SequencePackingArgs",
+]
+
+DictT = TypeVar("DictT", bound=Mapping[str, Any])
+
+
+class DynamicBatchingArgs(TypedDict):
+    """Settings for dynamic batching in ``shard_by_batch_size``.
+
+    ``input_key`` names the [batch, seq, ...] input tensor, ``input_lengths_key`` the
+    per-sample lengths; a micro-batch holds at most ``max_tokens_per_microbatch`` padded
+    tokens, its length rounded up to a multiple of ``sequence_length_round``.
+    """
+
+    input_key: str
+    input_lengths_key: str
+    max_tokens_per_microbatch: int
+    sequence_length_round: int
+
+
+class _SequencePackingRequired(TypedDict):
+    input_key: str
+    input_lengths_key: str
+    max_tokens_per_microbatch: int
+    algorithm: str
+
+
+class SequencePackingArgs(_SequencePackingRequired, total=False):
+    """Settings for sequence packing in ``shard_by_batch_size``.
+
+    Each micro-batch is a bin whose summed sequence lengths (each rounded up to
+    ``sequence_length_pad_multiple``, default 1) fit in ``max_tokens_per_microbatch``;
+    ``algorithm`` is one of ``PACKING_ALGORITHMS``.
+    """
+
+    sequence_length_pad_multiple: int
+
+
+PACKING_ALGORITHMS = ("first_fit_decreasing", "modified_first_fit_decreasing")
+
+_DYNAMIC_KEYS = (
+    "input_key",
+    "input_lengths_key",
+    "max_tokens_per_microbatch",
+    "sequence_length_round",
+)
+_PACKING_KEYS = ("input_key", "input_lengths_key", "max_tokens_per_microbatch", "algorithm")
+
+
+# ----------------------------------------------------------------------------- value helpers
+
+
+def _check_int(value: Any, name: str, minimum: int | None = None) -> int:
+    """Return ``value`` as an int; TypeError/ValueError naming ``name`` otherwise."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} ({value!r})")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _is_sequence(value: Any) -> bool:
+    """True for per-sample sequences (lists, tuples, ...), False for strings and bytes."""
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
+
+
+def _batch_len(key: Any, value: Any) -> int:
+    """Length of ``value`` along the batch dimension."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        if value.ndim == 0:
+            raise ValueError(f"key {key!r} holds a 0-d array; batched values need a batch dim")
+        return int(value.shape[0])
+    if _is_sequence(value):
+        return len(value)
+    raise TypeError(
+        f"key {key!r} holds a {type(value).__name__}; values must be tensors, arrays or "
+        "per-sample sequences"
+    )
+
+
+def _take(value: Any, indices: list[int]) -> Any:
+    """Rows ``indices`` of ``value`` as a new object (fresh storage for tensors)."""
+    if isinstance(value, torch.Tensor):
+        index = torch.as_tensor(indices, dtype=torch.long, device=value.device)
+        return value.index_select(0, index)
+    if isinstance(value, np.ndarray):
+        return value[np.asarray(indices, dtype=np.intp)]
+    return [value[i] for i in indices]
+
+
+def _slice(value: Any, start: int, end: int) -> Any:
+    """Rows ``start:end`` of ``value`` (a view for tensors and arrays)."""
+    if isinstance(value, (torch.Tensor, np.ndarray, list)):
+        return value[start:end]
+    return list(value[start:end])
+
+
+def _pad_trailing(value: Any, target: list[int], pad_value: float) -> Any:
+    """Right-pad every non-batch dim of ``value`` up to ``target``."""
+    widths = [t - s for t, s in zip(target, value.shape[1:])]
+    if not any(widths):
+        return value
+    if isinstance(value, np.ndarray):
+        return np.pad(value, [(0, 0)] + [(0, w) for w in widths], constant_values=pad_value)
+    spec: list[int] = []
+    for width in reversed(widths):  # F.pad lists the last dimension first
+        spec += [0, width]
+    return F.pad(value, spec, value=pad_value)
+
+
+def _concat(key: Any, values: list[Any], pad_value: float) -> Any:
+    """Concatenate one key's values from several batches along dim 0, padding if needed."""
+    if all(isinstance(v, (torch.Tensor, np.ndarray)) for v in values):
+        kinds = {type(v) is np.ndarray for v in values}
+        ndims = {v.ndim for v in values}
+        if len(kinds) > 1:
+            raise TypeError(f"batches: key {key!r} mixes torch tensors and numpy arrays")
+        if len(ndims) > 1 or 0 in ndims:
+            raise ValueError(
+                f"batches: key {key!r} needs tensors with the same number (>= 1) of dims, "
+                f"got {sorted(ndims)}"
+            )
+        ndim = ndims.pop()
+        target = [max(int(v.shape[d]) for v in values) for d in range(1, ndim)]
+        padded = [_pad_trailing(v, target, pad_value) for v in values]
+        if isinstance(padded[0], np.ndarray):
+            return np.concatenate(padded, axis=0)
+        return torch.cat(padded, dim=0)
+    if all(_is_sequence(v) for v in values):
+        return [item for v in values for item in v]
+    kinds_text = sorted({type(v).__name__ for v in values})
+    raise TypeError(
+        f"batches: key {key!r} has values of types {kinds_text}; all batches must hold "
+        "tensors, arrays, or per-sample sequences for the same key"
+    )
+
+
+def _as_index_list(indices: Any, size: int, name: str) -> list[int]:
+    """Validate integer row indices in ``[0, size)`` and return them as a list."""
+    if isinstance(indices, (torch.Tensor, np.ndarray)):
+        if indices.ndim != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(indices.shape)}")
+        if isinstance(indices, torch.Tensor):
+            is_int = not (indices.dtype.is_floating_point or indices.dtype.is_complex)
+            is_int = is_int and indices.dtype != torch.bool
+        else:
+            is_int = np.issubdtype(indices.dtype, np.integer)
+        if not is_int and len(indices):
+            raise TypeError(f"{name} must hold integers, got dtype {indices.dtype}")
+        out = [int(i) for i in indices.tolist()]
+    elif _is_sequence(indices):
+        out = [_check_int(i, name) for i in indices]
+    else:
+        raise TypeError(f"{name} must be a list, tensor or array of ints, got {indices!r}")
+    bad = [i for i in out if not 0 <= i < size]
+    if bad:
+        raise IndexError(f"{name} has indices {bad[:5]} outside [0, {size})")
+    return out
+
+
+def _split_sizes(n: int, parts: int, offset: int) -> list[int]:
+    """Split ``n`` into ``parts`` sizes differing by at most one.
+
+    The ``n % parts`` larger parts start at ``offset`` (wrapping), so that successive global
+    batches hand their extra samples to different shards.
+    """
+    base, extra = divmod(n, parts)
+    sizes = [base] * parts
+    for j in range(extra):
+        sizes[(offset + j) % parts] += 1
+    return sizes
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+# ----------------------------------------------------------------------------- bin packing
+
+
+def _first_fit(
+    items: list[tuple[int, int]], capacity: int, bins: list[list[int]], loads: list[int]
+) -> None:
+    """Place (length, index) items, in the given order, into the first bin with room."""
+    for length, index in items:
+        for b, load in enumerate(loads):
+            if load + length <= capacity:
+                bins[b].append(index)
+                loads[b] += length
+                break
+        else:
+            bins.append([index])
+            loads.append(length)
+
+
+def _pack_ffd(lengths: list[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: longest first, each into the first bin it fits."""
+    items = sorted(((n, i) for i, n in enumerate(lengths)), key=lambda t: (-t[0], t[1]))
+    bins: list[list[int]] = []
+    _first_fit(items, capacity, bins, [])
+    return bins
+
+
+def _pack_mffd(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Modified first-fit decreasing (Johnson and Garey, 1985).
+
+    Large items (> C/2) open one bin each; medium items (C/3, C/2] are matched to them
+    going forward, pairs of small items (C/6, C/3] going backward; then any remaining
+    item that fits is added largest first, and the rest are packed first-fit decreasing.
+    """
+    items = sorted(((n, i) for i, n in enumerate(lengths)), key=lambda t: (-t[0], t[1]))
+    large = [it for it in items if 2 * it[0] > capacity]
+    medium = [it for it in items if 3 * it[0] > capacity >= 2 * it[0]]
+    small = [it for it in items if 6 * it[0] > capacity >= 3 * it[0]]
+    rest = [it for it in items if capacity >= 6 * it[0]]
+
+    bins = [[i] for _, i in large]
+    loads = [n for n, _ in large]
+    got_medium = [False] * len(bins)
+    for b in range(len(bins)):  # forward: the largest medium item that fits
+        for k, (n, i) in enumerate(medium):
+            if loads[b] + n <= capacity:
+                bins[b].append(i)
+                loads[b] += n
+                got_medium[b] = True
+                del medium[k]
+                break
+    for b in reversed(range(len(bins))):  # backward: two small items into medium-less bins
+        if got_medium[b] or len(small) < 2:
+            continue
+        if loads[b] + small[-1][0] + small[-2][0] > capacity:
+            continue
+        n, i = small.pop()
+        bins[b].append(i)
+        loads[b] += n
+        for k, (m, j) in enumerate(small):
+            if loads[b] + m <= capacity:
+                bins[b].append(j)
+                loads[b] += m
+                del small[k]
+                break
+    leftover = sorted(medium + small + rest, key=lambda t: (-t[0], t[1]))
+    for b in range(len(bins)):  # forward: fill each large bin with what still fits
+        k = 0
+        while k < len(leftover):
+            n, i = leftover[k]
+            if loads[b] + n <= capacity:
+                bins[b].append(i)
+                loads[b] += n
+                del leftover[k]
+            else:
+                k += 1
+    _first_fit(leftover, capacity, bins, loads)
+    return bins
+
+
+_PACKERS = {"first_fit_decreasing": _pack_ffd, "modified_first_fit_decreasing": _pack_mffd}
+
+
+def _bins_for_shards(
+    bins: list[list[int]], lengths: list[int], shards: int
+) -> list[list[list[int]]]:
+    """Deal bins to shards so every shard gets the same number of micro-batches.
+
+    While the bin count is not a positive multiple of ``shards``, the heaviest bin holding
+    several sequences is halved (longest sequences dealt alternately, so both halves fit
+    and weigh about the same); an empty bin is added only when every bin holds a single
+    sequence. Heaviest bins are dealt first, each to the lightest shard of its round.
+    """
+    bins = [sorted(b) for b in bins if b]
+    while len(bins) < shards or len(bins) % shards:
+        splittable = [b for b in range(len(bins)) if len(bins[b]) > 1]
+        if not splittable:
+            bins.append([])
+            continue
+        b = max(splittable, key=lambda k: (sum(lengths[i] for i in bins[k]), -k))
+        members = sorted(bins[b], key=lambda i: (-lengths[i], i))
+        bins[b] = sorted(members[0::2])
+        bins.append(sorted(members[1::2]))
+    order = sorted(range(len(bins)), key=lambda b: (-sum(lengths[i] for i in bins[b]), b))
+    per_shard: list[list[list[int]]] = [[] for _ in range(shards)]
+    shard_load = [0] * shards
+    for start in range(0, len(order), shards):
+        free = list(range(shards))
+        for b in order[start : start + shards]:
+            s = min(free, key=lambda k: (shard_load[k], k))
+            free.remove(s)
+            per_shard[s].append(bins[b])
+            shard_load[s] += sum(lengths[i] for i in bins[b])
+    return per_shard
+
+
+# ----------------------------------------------------------------------------- the dict
+
+
+class BatchedDataDict(dict, Generic[DictT]):
+    """A ``dict`` of batched columns (tensors, arrays, per-sample lists) sharing one batch size.
+
+    ``len()`` is the number of keys, as for any dict; the batch size is ``size``. Shards made
+    by ``shard_by_batch_size`` carry micro-batch plans in ``micro_batch_indices`` (per global
+    batch, ``[start, end]`` rows relative to that global batch), ``micro_batch_lengths``
+    (per global batch, the padded or packed token length of each micro-batch) and
+    ``elem_counts_per_gb`` (rows per global batch); elsewhere they are None.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.micro_batch_indices: list[list[list[int]]] | None = None
+        self.micro_batch_lengths: list[list[int]] | None = None
+        self.elem_counts_per_gb: list[int] | None = None
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_batches(
+        cls,
+        batches: Sequence[Mapping[str, Any]],
+        pad_value_dict: Mapping[str, float] | None = None,
+    ) -> Self:
+        """Concatenate batches along the batch dim.
+
+        Tensors/arrays whose non-batch dims differ are right-padded to the largest size with
+        ``pad_value_dict[key]`` (default 0); lists are concatenated. All batches must have the
+        same keys.
+        """
+        if isinstance(batches, Mapping) or not _is_sequence(batches):
+            raise TypeError(f"batches must be a sequence of mappings, got {type(batches).__name__}")
+        if not batches:
+            raise ValueError("batches must not be empty")
+        for b, batch in enumerate(batches):
+            if not isinstance(batch, Mapping):
+                raise TypeError(f"batches[{b}] is a {type(batch).__name__}, not a mapping")
+        keys = list(batches[0])
+        for b, batch in enumerate(batches[1:], start=1):
+            if set(batch) != set(keys):
+                raise ValueError(
+                    f"batches[{b}] has keys {sorted(map(str, batch))}, batches[0] has "
+                    f"{sorted(map(str, keys))}; all batches need the same keys"
+                )
+        pads = dict(pad_value_dict or {})
+        return cls({k: _concat(k, [batch[k] for batch in batches], pads.get(k, 0)) for k in keys})
+
+    # ------------------------------------------------------------------ basic views
+
+    @property
+    def size(self) -> int:
+        """The batch size (0 when empty); ValueError if keys disagree."""
+        sizes = {k: _batch_len(k, v) for k, v in self.items()}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"keys disagree on the batch size: {sizes}")
+        return next(iter(sizes.values()), 0)
+
+    def get_dict(self) -> dict[str, Any]:
+        """A plain ``dict`` holding the same values (a new dict, values not copied)."""
+        return dict(self)
+
+    def copy(self) -> Self:
+        """Shallow copy: a new dict of the same class with the same values and plans."""
+        out = type(self)(self)
+        out._copy_plans_from(self)
+        return out
+
+    def _copy_plans_from(self, other: BatchedDataDict) -> None:
+        self.micro_batch_indices = _copy.deepcopy(other.micro_batch_indices)
+        self.micro_batch_lengths = _copy.deepcopy(other.micro_batch_lengths)
+        self.elem_counts_per_gb = _copy.deepcopy(other.elem_counts_per_gb)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({dict.__repr__(self)})"
+
+    def to(self, device: str | torch.device) -> Self:
+        """Move all tensors to ``device`` in place; returns self."""
+        for k, v in self.items():
+            if isinstance(v, torch.Tensor):
+                self[k] = v.to(device)
+        return self
+
+    def slice(self, start: int, end: int) -> Self:
+        """Rows ``start:end`` (views for tensors and arrays); bounds must lie in ``[0, size]``."""
+        size = self.size
+        start = _check_int(start, "start")
+        end = _check_int(end, "end")
+        if not 0 <= start <= size:
+            raise ValueError(f"start must be in [0, {size}], got {start}")
+        if not start <= end <= size:
+            raise ValueError(f"end must be in [{start}, {size}], got {end}")
+        return type(self)({k: _slice(v, start, end) for k, v in self.items()})
+
+    def select_indices(self, indices: Sequence[int] | torch.Tensor | np.ndarray) -> Self:
+        """Rows at ``indices`` (any order, repeats allowed) as new storage."""
+        rows = _as_index_list(indices, self.size, "indices")
+        return type(self)({k: _take(v, rows) for k, v in self.items()})
+
+    def chunk(self, rank: int, chunks: int) -> Self:
+        """The ``rank``-th of ``chunks`` equal contiguous pieces; size must divide evenly."""
+        chunks = _check_int(chunks, "chunks", minimum=1)
+        rank = _check_int(rank, "rank")
+        if not 0 <= rank < chunks:
+            raise ValueError(f"rank must be in [0, {chunks}), got {rank}")
+        size = self.size
+        if size % chunks:
+            raise ValueError(f"chunks ({chunks}) must divide the batch size ({size})")
+        step = size // chunks
+        return self.select_indices(list(range(rank * step, (rank + 1) * step)))
+
+    def repeat_interleave(self, num_repeats: int) -> Self:
+        """Repeat each sample ``num_repeats`` times in place order (a a b b ...).
+
+        List items are deep-copied so that repeated samples can be mutated independently.
+        """
+        num_repeats = _check_int(num_repeats, "num_repeats", minimum=1)
+        out = type(self)()
+        for k, v in self.items():
+            if isinstance(v, torch.Tensor):
+                out[k] = v.repeat_interleave(num_repeats, dim=0)
+            elif isinstance(v, np.ndarray):
+                out[k] = np.repeat(v, num_repeats, axis=0)
+            else:
+                _batch_len(k, v)
+                out[k] = [_copy.deepcopy(item) for item in v for _ in range(num_repeats)]
+        return out
+
+    def truncate_tensors(self, dim: int, truncated_len: int) -> None:
+        """In place, cut every tensor with more than ``dim`` dims to ``truncated_len`` on ``dim``.
+
+        Tensors already shorter than ``truncated_len`` on that dim are left as they are.
+        """
+        dim = _check_int(dim, "dim", minimum=1)
+        truncated_len = _check_int(truncated_len, "truncated_len", minimum=0)
+        for k, v in self.items():
+            if isinstance(v, torch.Tensor) and v.ndim > dim and v.shape[dim] > truncated_len:
+                self[k] = v.narrow(dim, 0, truncated_len)
+
+    def reorder_data(self, reorded_indices: Sequence[int] | torch.Tensor | np.ndarray) -> None:
+        """In place, move the row at position ``i`` to position ``reorded_indices[i]``.
+
+        This undoes ``select_indices(p)``: given the ``sorted_indices`` returned by
+        ``shard_by_batch_size``, it restores the caller's order of the concatenated shard
+        outputs. Micro-batch plans no longer apply afterwards and are cleared.
+        """
+        size = self.size
+        perm = _as_index_list(reorded_indices, size, "reorded_indices")
+        if len(perm) != size or len(set(perm)) != size:
+            raise ValueError(
+                f"reorded_indices must be a permutation of range({size}), got {len(perm)} "
+                f"entries with {len(set(perm))} distinct"
+            )
+        inverse = [0] * size
+        for i, p in enumerate(perm):
+            inverse[p] = i
+        for k in list(self):
+            self[k] = _take(self[k], inverse)
+        self.micro_batch_indices = self.micro_batch_lengths = self.elem_counts_per_gb = None
+
+    # ------------------------------------------------------------------ sharding
+
+    def shard_by_batch_size(
+        self,
+        shards: int,
+        batch_size: int | None = None,
+        allow_uneven_shards: bool = False,
+        dynamic_batching_args: DynamicBatchingArgs | None = None,
+        sequence_packing_args: SequencePackingArgs | None = None,
+    ) -> list[Self] | tuple[list[Self], list[int]]:
+        """Split into ``shards`` pieces, global batch by global batch.
+
+        The data is cut into global batches of ``batch_size`` rows (default: all of it);
+        each global batch is cut into ``shards`` contiguous parts and shard ``i`` is the
+        concatenation of part ``i`` of every global batch, so every rank sees every global
+        batch in order. E.g. rows 0..7, batch_size=4, shards=2 -> [0 1 4 5], [2 3 6 7].
+
+        Unless ``allow_uneven_shards``, ``batch_size`` must divide the data and ``shards``
+        must divide ``batch_size``; with it, parts differ by at most one row (the larger parts
+        rotate across global batches so shard totals also differ by at most one).
+
+        ``dynamic_batching_args``: each global batch is sorted by length and dealt
+        round-robin to the shards (balancing their load); micro-batch boundaries are
+        shared by all shards (same count per shard, for lock-step collectives) and hold at
+        most ``max_tokens_per_microbatch`` padded tokens (rows x rounded max length).
+        ``sequence_packing_args``: each global batch is bin-packed into micro-batches whose
+        summed lengths fit ``max_tokens_per_microbatch``; bins are dealt so every shard gets
+        the same number of them. Shard sizes then follow the packing, not
+        ``allow_uneven_shards``.
+
+        Returns the list of shards, or with either option ``(shards, sorted_indices)`` where
+        the concatenated shards equal ``self.select_indices(sorted_indices)``.
+        """
+        shards = _check_int(shards, "shards", minimum=1)
+        if batch_size is not None:
+            batch_size = _check_int(batch_size, "batch_size", minimum=1)
+        if dynamic_batching_args is not None and sequence_packing_args is not None:
+            raise ValueError(
+                "dynamic_batching_args and sequence_packing_args cannot be used together"
+            )
+        total = self.size
+        if batch_size is None:
+            batch_size = max(total, 1)
+        if not allow_uneven_shards:
+            if total % batch_size:
+                raise ValueError(
+                    f"batch_size ({batch_size}) must divide the data size ({total}); "
+                    "pass allow_uneven_shards=True to accept a partial last global batch"
+                )
+            if batch_size % shards and total:
+                raise ValueError(
+                    f"shards ({shards}) must divide batch_size ({batch_size}); "
+                    "pass allow_uneven_shards=True to accept shards differing by one"
+                )
+        global_batches = [(s, min(s + batch_size, total)) for s in range(0, total, batch_size)]
+
+        if sequence_packing_args is not None:
+            return self._shard_packed(shards, global_batches, sequence_packing_args)
+        if dynamic_batching_args is not None:
+            return self._shard_dynamic(shards, global_batches, dynamic_batching_args)
+
+        rows: list[list[int]] = [[] for _ in range(shards)]
+        counts: list[list[int]] = [[] for _ in range(shards)]
+        offset = 0
+        for start, end in global_batches:
+            sizes = _split_sizes(end - start, shards, offset)
+            offset = (offset + (end - start)) % shards
+            for s, n in enumerate(sizes):
+                rows[s].extend(range(start, start + n))
+                counts[s].append(n)
+                start += n
+        out = []
+        for s in range(shards):
+            shard = self.select_indices(rows[s])
+            shard.elem_counts_per_gb = counts[s]
+            out.append(shard)
+        return out
+
+    def _lengths(
+        self, args: Mapping[str, Any], arg_name: str, required: Sequence[str]
+    ) -> list[int]:
+        """Validate dynamic-batching/packing ``args`` and return the per-sample lengths."""
+        if not isinstance(args, Mapping):
+            raise TypeError(f"{arg_name} must be a dict, got {type(args).__name__}")
+        missing = [k for k in required if k not in args]
+        if missing:
+            raise ValueError(f"{arg_name} is missing keys {missing}")
+        for key in ("input_key", "input_lengths_key"):
+            if args[key] not in self:
+                raise ValueError(f"{arg_name}[{key!r}] = {args[key]!r} is not a key of the data")
+        lengths = self[args["input_lengths_key"]]
+        if isinstance(lengths, (torch.Tensor, np.ndarray)):
+            if lengths.ndim != 1:
+                raise ValueError(f"{arg_name}: input lengths must be 1-D, got {lengths.shape}")
+            lengths = lengths.tolist()
+        return [_check_int(n, f"{arg_name}: input length", minimum=0) for n in lengths]
+
+    def _make_shards(
+        self,
+        shard_rows: list[list[int]],
+        plans: list[tuple[list[list[list[int]]], list[list[int]], list[int]]],
+    ) -> tuple[list[Self], list[int]]:
+        """Build shards from their row lists and micro-batch plans; also return the permutation."""
+        out = []
+        for rows, (indices, lengths, counts) in zip(shard_rows, plans):
+            shard = self.select_indices(rows)
+            shard.micro_batch_indices = indices
+            shard.micro_batch_lengths = lengths
+            shard.elem_counts_per_gb = counts
+            out.append(shard)
+        return out, [i for rows in shard_rows for i in rows]
+
+    def _shard_dynamic(
+        self, shards: int, global_batches: list[tuple[int, int]], args: DynamicBatchingArgs
+    ) -> tuple[list[Self], list[int]]:
+        """Sort each global batch by length, deal it to shards, cut shared micro-batches."""
+        name = "dynamic_batching_args"
+        lengths = self._lengths(args, name, _DYNAMIC_KEYS)
+        max_tokens = _check_int(
+            args["max_tokens_per_microbatch"], f"{name}[max_tokens_per_microbatch]", 1
+        )
+        rounding = _check_int(args["sequence_length_round"], f"{name}[sequence_length_round]", 1)
+        inputs = self[args["input_key"]]
+        seq_cap = inputs.shape[1] if isinstance(inputs, torch.Tensor) and inputs.ndim > 1 else None
+
+        def padded(n: int) -> int:
+            n = _round_up(n, rounding)
+            return min(n, seq_cap) if seq_cap is not None else n
+
+        shard_rows: list[list[int]] = [[] for _ in range(shards)]
+        plans: list[tuple[list, list, list]] = [([], [], []) for _ in range(shards)]
+        offset = 0
+        for start, end in global_batches:
+            order = sorted(range(start, end), key=lambda i: (lengths[i], i))
+            # position j of the sorted batch goes to shard (j + offset) % shards
+            per_shard = [order[(s - offset) % shards :: shards] for s in range(shards)]
+            offset = (offset + (end - start)) % shards
+            positions = max(len(p) for p in per_shard)
+            micro: list[list[int]] = []  # [start, end) positions, shared by all shards
+            micro_len: list[int] = []  # padded length of each micro-batch
+            for pos in range(positions):
+                need = max(padded(lengths[p[pos]]) for p in per_shard if pos < len(p))
+                if need > max_tokens:
+                    raise ValueError(
+                        f"{name}: a sample of padded length {need} exceeds "
+                        f"max_tokens_per_microbatch ({max_tokens})"
+                    )
+                grown = max(micro_len[-1], need) if micro else need
+                if micro and grown * (pos + 1 - micro[-1][0]) <= max_tokens:
+                    micro[-1][1] = pos + 1
+                    micro_len[-1] = grown
+                else:
+                    micro.append([pos, pos + 1])
+                    micro_len.append(need)
+            for s, rows in enumerate(per_shard):
+                shard_rows[s].extend(rows)
+                n = len(rows)
+                plans[s][0].append([[min(a, n), min(b, n)] for a, b in micro])
+                plans[s][1].append(list(micro_len))
+                plans[s][2].append(n)
+        return self._make_shards(shard_rows, plans)
+
+    def _shard_packed(
+        self, shards: int, global_batches: list[tuple[int, int]], args: SequencePackingArgs
+    ) -> tuple[list[Self], list[int]]:
+        """Bin-pack each global batch and deal the bins (micro-batches) to shards."""
+        name = "sequence_packing_args"
+        lengths = self._lengths(args, name, _PACKING_KEYS)
+        capacity = _check_int(
+            args["max_tokens_per_microbatch"], f"{name}[max_tokens_per_microbatch]", 1
+        )
+        multiple = _check_int(
+            args.get("sequence_length_pad_multiple", 1), f"{name}[sequence_length_pad_multiple]", 1
+        )
+        algorithm = args["algorithm"]
+        if algorithm not in _PACKERS:
+            raise ValueError(
+                f"{name}[algorithm] must be one of {PACKING_ALGORITHMS}, got {algorithm!r}"
+            )
+        padded = [_round_up(n, multiple) for n in lengths]
+        too_long = [n for n in padded if n > capacity]
+        if too_long:
+            raise ValueError(
+                f"{name}: sequences of padded length {too_long[:5]} exceed "
+                f"max_tokens_per_microbatch ({capacity})"
+            )
+
+        shard_rows: list[list[int]] = [[] for _ in range(shards)]
+        plans: list[tuple[list, list, list]] = [([], [], []) for _ in range(shards)]
+        for start, end in global_batches:
+            local = padded[start:end]
+            bins = _PACKERS[algorithm](local, capacity)
+            for s, shard_bins in enumerate(_bins_for_shards(bins, local, shards)):
+                micro, micro_len, n = [], [], 0
+                for b in shard_bins:
+                    shard_rows[s].extend(start + i for i in b)
+                    micro.append([n, n + len(b)])
+                    micro_len.append(sum(local[i] for i in b))
+                    n += len(b)
+                plans[s][0].append(micro)
+                plans[s][1].append(micro_len)
+                plans[s][2].append(n)
+        return self._make_shards(shard_rows, plans)
+
+    # ------------------------------------------------------------------ micro-batches
+
+    def get_batch(self, batch_idx: int, batch_size: int | None = None) -> Self:
+        """Global batch ``batch_idx`` of this shard, with its micro-batch plan.
+
+        Uses ``elem_counts_per_gb`` when the dict came from ``shard_by_batch_size``;
+        otherwise ``batch_size`` rows per global batch.
+        """
+        batch_idx = _check_int(batch_idx, "batch_idx", minimum=0)
+        if self.elem_counts_per_gb is not None:
+            counts = self.elem_counts_per_gb
+            if batch_idx >= len(counts):
+                raise IndexError(
+                    f"batch_idx {batch_idx} out of range; {len(counts)} global batches"
+                )
+            if batch_size is not None and batch_size != counts[batch_idx]:
+                raise ValueError(
+                    f"batch_size ({batch_size}) disagrees with this shard's global batch "
+                    f"{batch_idx}, which holds {counts[batch_idx]} rows"
+                )
+            start = sum(counts[:batch_idx])
+            end = start + counts[batch_idx]
+        else:
+            if batch_size is None:
+                raise ValueError("batch_size is required when elem_counts_per_gb is unset")
+            batch_size = _check_int(batch_size, "batch_size", minimum=1)
+            start, end = batch_idx * batch_size, (batch_idx + 1) * batch_size
+            if end > self.size:
+                raise IndexError(f"batch_idx {batch_idx} out of range for size {self.size}")
+        batch = self.slice(start, end)
+        batch.elem_counts_per_gb = [end - start]
+        if self.micro_batch_indices is not None:
+            batch.micro_batch_indices = _copy.deepcopy([self.micro_batch_indices[batch_idx]])
+        if self.micro_batch_lengths is not None:
+            batch.micro_batch_lengths = [list(self.micro_batch_lengths[batch_idx])]
+        return batch
+
+    def make_microbatch_iterator(self, microbatch_size: int) -> Iterator[Self]:
+        """Yield consecutive slices of ``microbatch_size`` rows; it must divide ``size``."""
+        microbatch_size = _check_int(microbatch_size, "microbatch_size", minimum=1)
+        size = self.size
+        if size % microbatch_size:
+            raise ValueError(f"microbatch_size ({microbatch_size}) must divide the size ({size})")
+        return (self.slice(i, i + microbatch_size) for i in range(0, size, microbatch_size))
+
+    def _planned_microbatches(self) -> list[tuple[int, int, int]]:
+        """(start, end, length) of every planned micro-batch, in absolute rows."""
+        if self.micro_batch_indices is None or self.micro_batch_lengths is None:
+            raise ValueError(
+                "no micro-batch plan: make this dict with shard_by_batch_size(..., "
+                "dynamic_batching_args=... or sequence_packing_args=...)"
+            )
+        n_gb = len(self.micro_batch_indices)
+        if self.elem_counts_per_gb is not None:
+            offsets = [sum(self.elem_counts_per_gb[:g]) for g in range(n_gb)]
+        elif n_gb == 1:
+            offsets = [0]
+        else:
+            raise ValueError("several global batches need elem_counts_per_gb to locate them")
+        return [
+            (offset + a, offset + b, length)
+            for offset, idx, lens in zip(
+                offsets, self.micro_batch_indices, self.micro_batch_lengths
+            )
+            for (a, b), length in zip(idx, lens)
+        ]
+
+    def make_microbatch_iterator_with_dynamic_shapes(self, sequence_dim: int = 1) -> Iterator[Self]:
+        """Yield the dynamic-batching micro-batches, tensors cut to each one's padded length."""
+        plan = self._planned_microbatches()
+
+        def generate() -> Iterator[Self]:
+            for start, end, length in plan:
+                mb = self.slice(start, end)
+                mb.truncate_tensors(dim=sequence_dim, truncated_len=length)
+                yield mb
+
+        return generate()
+
+    def get_microbatch_iterator_dynamic_shapes_len(self) -> int:
+        """Number of micro-batches ``make_microbatch_iterator_with_dynamic_shapes`` yields."""
+        return len(self._planned_microbatches())
+
+    def make_microbatch_iterator_for_packable_sequences(self) -> Iterator[Self]:
+        """Yield the sequence-packing micro-batches (bins), tensors untouched."""
+        plan = self._planned_microbatches()
+        return (self.slice(start, end) for start, end, _ in plan)
+
+    def get_microbatch_iterator_for_packable_sequences_len(self) -> tuple[int, int]:
+        """(number of packed micro-batches, largest packed token count among them)."""
+        plan = self._planned_microbatches()
+        return len(plan), max((length for _, _, length in plan), default=0)

@@ -1,0 +1,189 @@
+"""Named N-dimensional layouts of worker ranks (NeMo-RL's ``NamedSharding``).
+
+A worker group places its ranks on a grid whose axes have names such as ``dp``, ``pp``,
+``tp``. Dispatch code asks which ranks sit at given coordinates (all ranks of DP shard 2,
+the TP leader of each DP shard) and where a given rank sits; both answers come from tables
+built once in ``__init__``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["NamedSharding"]
+
+
+def _check_int(value: Any, what: str) -> int:
+    """Return ``value`` as an ``int``; TypeError naming ``what`` if it is not an integer."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{what} must be an integer, got {type(value).__name__} ({value!r})")
+    return int(value)
+
+
+class NamedSharding:
+    """An N-dimensional arrangement of the ranks ``0..N-1`` with one name per axis.
+
+    Example: ``NamedSharding([[0, 1], [2, 3]], ["dp", "tp"])`` is DP=2 x TP=2; rank 3 sits
+    at ``{"dp": 1, "tp": 1}`` and ``get_ranks(dp=0)`` is ``array([0, 1])``.
+    """
+
+    def __init__(self, layout: Sequence[Any] | np.ndarray, names: Sequence[str]) -> None:
+        """Validate ``layout`` and ``names`` and precompute the rank and axis lookup tables.
+
+        Raises ValueError (TypeError for wrong types) naming ``layout`` or ``names``.
+        """
+        if isinstance(names, str) or not isinstance(names, Sequence):
+            raise TypeError(f"names must be a sequence of strings, got {names!r}")
+        names = list(names)
+        for name in names:
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"names must be non-empty strings, got {name!r} in {names}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"names must be unique, got {names}")
+
+        try:
+            array = np.asarray(layout)
+        except ValueError as exc:  # ragged nested lists
+            raise ValueError(f"layout must be a rectangular array of ranks: {exc}") from exc
+        if array.ndim == 0 or array.size == 0:
+            raise ValueError(
+                f"layout must have at least one dimension and one rank, got {layout!r}"
+            )
+        if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(f"layout must contain integer ranks, got dtype {array.dtype}")
+        if array.ndim != len(names):
+            raise ValueError(
+                f"names has {len(names)} entries {names} but layout has {array.ndim} "
+                f"dimensions (shape {array.shape}); give one name per dimension"
+            )
+        array = array.astype(np.int64)
+        n = array.size
+        counts = np.bincount(array.ravel()[(array.ravel() >= 0) & (array.ravel() < n)], minlength=n)
+        if int(counts.sum()) != n or not np.all(counts == 1):
+            missing = np.flatnonzero(counts == 0).tolist()
+            duplicated = np.flatnonzero(counts > 1).tolist()
+            outside = sorted(set(array.ravel().tolist()) - set(range(n)))
+            raise ValueError(
+                f"layout must hold each rank 0..{n - 1} exactly once; missing {missing}, "
+                f"duplicated {duplicated}, out of range {outside}"
+            )
+        array.setflags(write=False)
+
+        self._layout = array
+        self._names = names
+        self._axis_index = {name: i for i, name in enumerate(names)}
+        self._shape = {name: int(size) for name, size in zip(names, array.shape)}
+        # rank -> coordinates, filled once so lookups never search the layout.
+        self._coords: list[dict[str, int]] = [{} for _ in range(n)]
+        for index in np.ndindex(array.shape):
+            self._coords[int(array[index])] = {name: int(i) for name, i in zip(names, index)}
+
+    @classmethod
+    def default(cls, n: int) -> NamedSharding:
+        """Return the 1-D sharding of ``n`` ranks on one axis ``dp`` (pure data parallel)."""
+        n = _check_int(n, "n")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        return cls(np.arange(n), ["dp"])
+
+    @property
+    def layout(self) -> np.ndarray:
+        """The read-only array of ranks, one dimension per axis name."""
+        return self._layout
+
+    @property
+    def names(self) -> list[str]:
+        """The axis names, outermost first (a copy)."""
+        return list(self._names)
+
+    @property
+    def ndim(self) -> int:
+        """Number of axes."""
+        return self._layout.ndim
+
+    @property
+    def size(self) -> int:
+        """Number of ranks."""
+        return self._layout.size
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """Axis name -> axis size (a copy)."""
+        return dict(self._shape)
+
+    def get_axis_index(self, name: str) -> int:
+        """Position of axis ``name`` in the layout; ValueError if there is no such axis."""
+        try:
+            return self._axis_index[name]
+        except (KeyError, TypeError):
+            raise ValueError(f"unknown axis name {name!r}; axes are {self._names}") from None
+
+    def get_axis_size(self, name: str) -> int:
+        """Size of axis ``name``; ValueError if there is no such axis."""
+        self.get_axis_index(name)
+        return self._shape[name]
+
+    def get_worker_coords(self, rank: int) -> dict[str, int]:
+        """Coordinates of ``rank`` as axis name -> index (a fresh dict)."""
+        rank = _check_int(rank, "rank")
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} is not in this sharding (ranks 0..{self.size - 1})")
+        return dict(self._coords[rank])
+
+    def _index(self, coords: dict[str, Any], strict: bool) -> tuple[Any, ...] | None:
+        """Numpy index for the given partial coordinates; None if out of range and not strict."""
+        index: list[Any] = [slice(None)] * self.ndim
+        for name, value in coords.items():
+            axis = self.get_axis_index(name)
+            value = _check_int(value, f"coordinate {name}")
+            if not 0 <= value < self._layout.shape[axis]:
+                if not strict:
+                    return None
+                raise IndexError(
+                    f"coordinate {name}={value} is out of range for axis {name!r} "
+                    f"of size {self._layout.shape[axis]}"
+                )
+            index[axis] = value
+        return tuple(index)
+
+    def get_ranks(self, **coords: int) -> np.ndarray | int:
+        """Ranks left after fixing the given axes: an int if all are fixed, else an array.
+
+        The array keeps the unfixed axes in layout order. Unknown axis -> ValueError;
+        coordinate out of range -> IndexError.
+        """
+        index = self._index(coords, strict=True)
+        assert index is not None
+        selected = self._layout[index]
+        if selected.ndim == 0:
+            return int(selected)
+        return selected
+
+    def get_ranks_by_coord(self, **coords: int) -> list[int]:
+        """Sorted flat list of the ranks matching the partial coordinates.
+
+        As in NeMo-RL, a coordinate outside its axis matches nothing (empty list); an
+        unknown axis name is a ValueError.
+        """
+        index = self._index(coords, strict=False)
+        if index is None:
+            return []
+        return sorted(np.ravel(self._layout[index]).tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, NamedSharding):
+            return NotImplemented
+        return self._names == other._names and np.array_equal(self._layout, other._layout)
+
+    def __hash__(self) -> int:
+        return hash((tuple(self._names), self._layout.shape, self._layout.tobytes()))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuild through __init__ so the copy is validated and its layout stays read-only.
+        return (type(self), (self._layout.tolist(), list(self._names)))
+
+    def __repr__(self) -> str:
+        return f"NamedSharding(layout={self._layout.tolist()}, names={self._names})"
