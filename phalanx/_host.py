@@ -16,17 +16,21 @@ import io
 import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import ray
 
+from . import trace as _trace
 from .errors import WorkerError
 from .timing import TimerRecorder
+from .weights.lock import holds_model_lock
 from .worker import BASE_ATTRIBUTES, Worker, WorkerContext
 
 CONTROL_GROUP = "_px_control"
+WEIGHTS_GROUP = "_px_weights"  # weight transfers run here; applying waits for calls to end
 
 
 def load_class(cls_or_fqn: Any) -> type:
@@ -76,6 +80,7 @@ class WorkerHost:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
         self._current: tuple[str, float] | None = None
+        self._started_at = time.time()
         self._exiting = threading.Event()  # set when a method calls sys.exit (see _px_watch)
         cls = load_class(cls_or_fqn)
         self._cls = cls
@@ -83,6 +88,7 @@ class WorkerHost:
         obj = cls.__new__(cls)
         if isinstance(obj, Worker):
             obj._px_bind(ctx, self._timers)
+        _trace.init_worker(ctx.group_name, ctx.rank, self._timers)
         try:
             obj.__init__(*args, **kwargs)
         except Exception as e:
@@ -112,24 +118,37 @@ class WorkerHost:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         }
 
+    @holds_model_lock
     def _px_call(self, _px_method__: str, *args: Any, **kwargs: Any) -> Any:
         # Arguments travel as top-level task arguments: Ray resolves ObjectRefs among
         # them, and a call without arguments costs one small argument (the name).
         method = _px_method__
         fn = self._resolve(method)
+        self._current = (method, time.time())
+        t0 = _trace.call_begin() if _trace.ON else 0.0
+        out = None
         try:
             if self._kinds.get(method) == "async":
-                return self._run_coro(fn(*args, **kwargs))
-            return fn(*args, **kwargs)
+                out = self._run_coro(fn(*args, **kwargs))
+            else:
+                out = fn(*args, **kwargs)
+            return out
         except SystemExit:
             self._exiting.set()
             raise
         except Exception as e:
             raise self._error(method, e) from None
+        finally:
+            self._current = None
+            if t0:
+                _trace.worker_call(method, t0, args, kwargs, out)
 
+    @holds_model_lock
     def _px_stream(self, _px_method__: str, *args: Any, **kwargs: Any) -> Iterator[Any]:
         method = _px_method__
         fn = self._resolve(method)
+        self._current = (method, time.time())
+        t0 = _trace.call_begin() if _trace.ON else 0.0
         try:
             if self._kinds.get(method) == "asyncgen":
                 agen = fn(*args, **kwargs)
@@ -145,11 +164,19 @@ class WorkerHost:
             raise
         except Exception as e:
             raise self._error(method, e) from None
+        finally:
+            self._current = None
+            if t0:
+                _trace.worker_call(method, t0, args, kwargs, None)
 
+    @holds_model_lock
     def _px_apply(self, _px_fn__: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(worker, *args, **kwargs)`` (RLlib's ``foreach_worker`` with a function)."""
         fn = _px_fn__
         name = getattr(fn, "__name__", "function")
+        self._current = (name, time.time())
+        t0 = _trace.call_begin() if _trace.ON else 0.0
+        out = None
         try:
             out = fn(self._obj, *args, **kwargs)
             if inspect.iscoroutine(out):
@@ -160,14 +187,46 @@ class WorkerHost:
             raise
         except Exception as e:
             raise self._error(name, e) from None
+        finally:
+            self._current = None
+            if t0:
+                _trace.worker_call(name, t0, args, kwargs, out)
 
     def _px_pop_durations(self) -> dict[str, float]:
         return self._timers.consume()
+
+    @ray.method(concurrency_group=WEIGHTS_GROUP)
+    def _px_weights(self, op: str, *args: Any) -> Any:
+        """Weight sync on this worker (see ``phalanx.weights.receiver``)."""
+        from .weights.receiver import handle
+
+        return handle(self, op, *args)
 
     # -- control (own concurrency group) ------------------------------------------------
     @ray.method(concurrency_group=CONTROL_GROUP)
     def _px_ping(self) -> int:
         return os.getpid()
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def _px_trace(self, op: str, *args: Any) -> Any:
+        """Tracing control from the driver: enable, disable, collect, clock (phalanx.trace)."""
+        return _trace.worker_op(op, *args)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def _px_status(self) -> dict[str, Any]:
+        """What ``phalanx status`` shows of this worker: identity and the call running now."""
+        current = self._current
+        return {
+            "group": self._ctx.group_name,
+            "rank": self._ctx.rank,
+            "world_size": self._ctx.world_size,
+            "class": f"{self._cls.__module__}.{self._cls.__qualname__}",
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": self._ctx.node_ip,
+            "started_at": self._started_at,
+            "current": None if current is None else {"method": current[0], "since": current[1]},
+        }
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def _px_watch(self, timeout_s: float) -> bool:
@@ -226,3 +285,36 @@ class WorkerHost:
 
 
 faulthandler.enable()
+
+
+def host_class_for(cls: type) -> type:
+    """A ``WorkerHost`` subclass with one actor method per public method of ``cls``.
+
+    ``actor.hello.remote()`` then costs exactly what a plain Ray actor call costs (no extra
+    argument naming the method); each trampoline enters the same ``_px_call`` path.
+    """
+    namespace: dict[str, Any] = {
+        "__module__": __name__,
+        "__qualname__": f"Host[{cls.__qualname__}]",
+    }
+    for name, kind in method_kinds(cls).items():
+        if hasattr(WorkerHost, name):
+            continue  # never shadow the host's own machinery
+        namespace[name] = _trampoline(name, kind)
+    return type(f"Host_{cls.__name__}", (WorkerHost,), namespace)
+
+
+def _trampoline(name: str, kind: str) -> Callable[..., Any]:
+    if kind in ("gen", "asyncgen"):
+
+        def stream(self: WorkerHost, *args: Any, **kwargs: Any) -> Iterator[Any]:
+            yield from self._px_stream(name, *args, **kwargs)
+
+        stream.__name__ = name
+        return stream
+
+    def call(self: WorkerHost, *args: Any, **kwargs: Any) -> Any:
+        return self._px_call(name, *args, **kwargs)
+
+    call.__name__ = name
+    return call

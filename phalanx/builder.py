@@ -28,7 +28,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ._host import CONTROL_GROUP, WorkerHost, load_class
+from ._host import CONTROL_GROUP, WEIGHTS_GROUP, host_class_for, load_class
 from .worker import RANK_ENV_KEYS, WorkerContext
 
 ENV_ALLOWLIST = frozenset(
@@ -148,7 +148,9 @@ def _create_host(
         )
     ctx.env = env
     ctx.bundle_indices = bundle_indices
-    return _host_actor_class().options(**options).remote(cls_or_fqn, ctx, tuple(init_args), kwargs)
+    return (
+        _host_actor_class(cls).options(**options).remote(cls_or_fqn, ctx, tuple(init_args), kwargs)
+    )
 
 
 def _accepts(fn: Any, name: str) -> bool:
@@ -161,14 +163,19 @@ def _accepts(fn: Any, name: str) -> bool:
     return name in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
 
 
-_HOST_ACTOR = None
+_HOST_ACTORS: dict[type, Any] = {}
 
 
-def _host_actor_class():
-    global _HOST_ACTOR
-    if _HOST_ACTOR is None:
-        _HOST_ACTOR = ray.remote(concurrency_groups={CONTROL_GROUP: 2})(WorkerHost)
-    return _HOST_ACTOR
+def _host_actor_class(cls: type):
+    """The Ray actor class hosting ``cls`` (built once per worker class)."""
+    actor = _HOST_ACTORS.get(cls)
+    if actor is None:
+        # control: one thread for the health monitor's watch call, two for ping/stacks.
+        actor = ray.remote(concurrency_groups={CONTROL_GROUP: 3, WEIGHTS_GROUP: 2})(
+            host_class_for(cls)
+        )
+        _HOST_ACTORS[cls] = actor
+    return actor
 
 
 class _Initializer:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from . import trace as _trace
 from .errors import GroupTimeoutError, WorkerDiedError, WorkerError
 from .timing import reduce_durations
 
@@ -98,17 +99,22 @@ class GroupHandle:
     ``wait()`` returns one result per called rank, in rank order.
     """
 
-    __slots__ = ("group", "method", "ranks", "refs", "_durations")
+    __slots__ = ("group", "method", "ranks", "refs", "skipped", "_durations")
 
     def __init__(self, group: WorkerGroup, method: str, ranks: list[int], refs: list[Any]):
         self.group = group
         self.method = method
         self.ranks = ranks
         self.refs = refs
+        # Ranks left out because they were dead (fault tolerance with ignore_failures).
+        self.skipped: list[int] = []
         self._durations: dict[str, float] | None = None
 
     def wait(self, timeout: float | None = None) -> list[Any]:
         """Block until every called rank returned (or ``timeout`` seconds passed)."""
+        if _trace.ON:
+            with _trace.traced_wait(self):
+                return self.group._collect(self, timeout)
         return self.group._collect(self, timeout)
 
     def done(self) -> bool:
@@ -176,7 +182,13 @@ class MultiWorkerFuture:
         ranks = [w for w, _ in selected]
         refs = [f for _, f in selected]
         name = getattr(worker_group, "name", "group")
-        results = get_results(name, "<future>", ranks, refs, timeout)
+        try:
+            results = get_results(name, "<future>", ranks, refs, timeout)
+        except GroupTimeoutError as e:
+            hang = getattr(worker_group, "_hang_error", None)  # adds the stuck ranks' stacks
+            if hang is None:
+                raise
+            raise hang("<future>", ranks, refs, e.pending_ranks, e.timeout) from None
         if any(isinstance(r, ray.ObjectRefGenerator) for r in refs):
             return [item for items in results for item in items]
         return results

@@ -8,6 +8,12 @@ NeMo-RL face: ``RayWorkerGroup(virtual_cluster, builder, ...)`` with
 ``run_single_worker_single_data``, ``run_all_workers_single_data``,
 ``run_all_workers_multiple_data`` and ``run_all_workers_sharded_data``.
 
+RLlib face (any group): ``foreach_worker``, ``foreach_worker_with_id``,
+``foreach_worker_async`` / ``fetch_ready_async_reqs``, and health: ``healthy_worker_ids``,
+``probe_unhealthy_workers``, ``num_remote_worker_restarts``. What happens when a worker
+dies is the group's ``RestartPolicy`` (``phalanx.fault``); calls given a timeout that
+expires raise with a hang report of the stuck ranks' stacks (``phalanx.hang``).
+
 Every face ends in ``WorkerGroup._call(method, [(rank, args, kwargs), ...])``, which puts
 arguments shared by several ranks into the object store once and returns a handle.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -25,9 +32,20 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from . import hang as _hang
+from . import trace as _trace
 from .builder import RayWorkerBuilder, _check_env, allowlisted_env
 from .cluster import NAMESPACE, Cluster, find_free_port
-from .errors import WorkerError
+from .errors import GroupTimeoutError, WorkerDiedError, WorkerError
+from .fault import (
+    AsyncSubmission,
+    FaultState,
+    HealthEvent,
+    RestartPolicy,
+    WorkerHealth,
+    call_each,
+    call_with_id,
+)
 from .futures import GroupHandle, MultiWorkerFuture, _unwrap, get_results
 from .placement import Placement, WorkerSlot, default_placement
 from .sharding import NamedSharding
@@ -80,8 +98,10 @@ class _GroupMethod:
 
     def __call__(self, *args: Any, **kwargs: Any) -> GroupHandle:
         g = self._group
-        ranks = g._all_ranks if self._ranks is None else self._ranks
-        return g._call(self._name, [(r, args, kwargs) for r in ranks])
+        if self._ranks is None:
+            calls = [(r, args, kwargs) for r in g._all_ranks]
+            return g._call(self._name, calls, health=g._broadcast_health())
+        return g._call(self._name, [(r, args, kwargs) for r in self._ranks])
 
     def __repr__(self) -> str:
         return f"<group method {self._group.name}.{self._name}>"
@@ -146,6 +166,7 @@ class WorkerGroup:
         *,
         env_vars: dict[str, str] | None = None,
         launch_timeout_s: float = 120.0,
+        restart_policy: RestartPolicy | None = None,
     ):
         if remote_worker_builder is None:
             raise ValueError("remote_worker_builder is required (a RayWorkerBuilder)")
@@ -170,6 +191,11 @@ class WorkerGroup:
         self._env_vars = _check_env(env_vars, "env_vars")
         self._launch_timeout_s = launch_timeout_s
         self._launched = False
+        self._fault = FaultState(self, _check_policy(restart_policy))
+        # Set by the weights layer: re-sends the latest weights to restarted ranks.
+        self._weights_restore: Callable[[list[int]], None] | None = None
+        self._watchdog: _hang.Watchdog | None = None
+        self.max_requests_in_flight_per_worker = 2
         if cluster is not None:
             if not isinstance(cluster, RayVirtualCluster):
                 raise TypeError(
@@ -189,6 +215,7 @@ class WorkerGroup:
         sharding: NamedSharding | None = None,
         env_vars: dict[str, str] | None = None,
         timeout_s: float | None = None,
+        restart_policy: RestartPolicy | None = None,
     ) -> WorkerGroup:
         """Start the workers; returns the group.
 
@@ -210,6 +237,8 @@ class WorkerGroup:
             self._env_vars.update(_check_env(env_vars, "env_vars"))
         if timeout_s is not None:
             self._launch_timeout_s = timeout_s
+        if restart_policy is not None:
+            self._fault.policy = _check_policy(restart_policy)
         if name is not None:
             self.name_prefix = name
         if isinstance(cluster, RayVirtualCluster):
@@ -359,44 +388,11 @@ class WorkerGroup:
         first = slots[0]
         self.master_address = first.node_ip
         self.master_port = find_free_port(first.node_ip, first.node_id)
-        num_gpus_per_node = getattr(self.cluster, "num_gpus_per_node", None)
-        layers = [allowlisted_env(), {}, dict(self._env_vars)]
+        self._env_layers = [allowlisted_env(), {}, dict(self._env_vars)]
         if self._builder.isolated:
             self._initializer = self._builder.new_initializer()
-        pending: list[Any] = []
         t0 = time.perf_counter()
-        for s in slots:
-            ctx = WorkerContext(
-                group_name=self.name,
-                rank=s.rank,
-                world_size=world,
-                local_rank=s.local_rank,
-                node_rank=s.node_rank,
-                node_ip=s.node_ip,
-                master_addr=self.master_address,
-                master_port=self.master_port,
-                gpu_ids=list(s.gpu_ids),
-                isolate_gpu=s.isolate_gpu,
-            )
-            options: dict[str, Any] = {
-                "name": f"{self.name}:{s.rank}",
-                "namespace": NAMESPACE,
-                "num_cpus": s.num_cpus,
-                "px_context": ctx,
-                "px_env_layers": layers,
-                "num_gpus_per_node": num_gpus_per_node,
-            }
-            if s.placement_group is None:
-                options["scheduling_strategy"] = s.scheduling_strategy
-            ref, _ = self._builder.create_worker_async(
-                s.placement_group,
-                s.bundle_index,
-                s.num_gpus,
-                s.bundle_indices,
-                initializer=self._initializer,
-                **options,
-            )
-            pending.append(ref)
+        pending = [self._spawn(s) for s in slots]
         try:
             actors = ray.get(pending, timeout=self._launch_timeout_s)
         except GetTimeoutError:
@@ -412,7 +408,47 @@ class WorkerGroup:
             self.sharding_annotations = NamedSharding.default(world)
         leaders = [s.rank for s in slots if s.bundle_indices is not None]
         self.dp_leader_worker_indices = leaders if leaders else list(range(world))
+        self._fault.reset(world)
+        self._fault.start_watching()
+        watchdog_s = os.environ.get("PHALANX_WATCHDOG_S")
+        if watchdog_s:
+            self.set_watchdog(float(watchdog_s))
         self._launched = True
+        _trace.register_group(self)
+
+    def _spawn(self, s: WorkerSlot) -> ray.ObjectRef:
+        """Start creating the worker of slot ``s``; returns a ref to its actor handle."""
+        ctx = WorkerContext(
+            group_name=self.name,
+            rank=s.rank,
+            world_size=len(self._slots),
+            local_rank=s.local_rank,
+            node_rank=s.node_rank,
+            node_ip=s.node_ip,
+            master_addr=self.master_address,
+            master_port=self.master_port,
+            gpu_ids=list(s.gpu_ids),
+            isolate_gpu=s.isolate_gpu,
+        )
+        options: dict[str, Any] = {
+            "name": f"{self.name}:{s.rank}",
+            "namespace": NAMESPACE,
+            "num_cpus": s.num_cpus,
+            "px_context": ctx,
+            "px_env_layers": self._env_layers,
+            "num_gpus_per_node": getattr(self.cluster, "num_gpus_per_node", None),
+        }
+        if s.placement_group is None:
+            options["scheduling_strategy"] = s.scheduling_strategy
+        ref, _ = self._builder.create_worker_async(
+            s.placement_group,
+            s.bundle_index,
+            s.num_gpus,
+            s.bundle_indices,
+            initializer=self._initializer,
+            **options,
+        )
+        return ref
 
     def _await_ready(self, refs: list[ray.ObjectRef], t0: float) -> None:
         deadline = t0 + self._launch_timeout_s
@@ -508,10 +544,26 @@ class WorkerGroup:
         method: str,
         calls: list[tuple[int, tuple, dict]],
         fn: Callable[..., Any] | None = None,
+        *,
+        health: str = "restart",
     ) -> GroupHandle:
-        """The one dispatch: for each (rank, args, kwargs) start the call; return a handle."""
+        """The one dispatch: for each (rank, args, kwargs) start the call; return a handle.
+
+        ``health`` says what to do with a called rank that is not healthy: ``"restart"``
+        (wait for or start its restart; raise naming it if that cannot be),
+        ``"skip"`` (leave it out; the handle lists it in ``skipped``) or ``"any"`` (call it).
+        """
+        t0 = time.perf_counter() if _trace.ON else 0.0
         if fn is None:
             self._check_method(method)
+        skipped = None
+        if self._fault.not_healthy and health != "any":
+            ready, skipped = self._fault.ensure_ready(
+                [c[0] for c in calls], method, skip=health == "skip"
+            )
+            if skipped:
+                keep = set(ready)
+                calls = [c for c in calls if c[0] in keep]
         stream = fn is None and self._methods[method] in ("gen", "asyncgen")
         shared = self._share(calls) if len(calls) > 1 else None
         refs = []
@@ -524,14 +576,19 @@ class WorkerGroup:
             if fn is not None:
                 refs.append(actor._px_apply.remote(fn, *args, **kwargs))
             elif stream:
-                refs.append(
-                    actor._px_stream.options(num_returns="streaming").remote(
-                        method, *args, **kwargs
-                    )
-                )
+                # Each public method has its own actor method (see host_class_for).
+                remote = getattr(actor, method).options(num_returns="streaming")
+                refs.append(remote.remote(*args, **kwargs))
             else:
-                refs.append(actor._px_call.remote(method, *args, **kwargs))
-        return GroupHandle(self, method, [c[0] for c in calls], refs)
+                refs.append(getattr(actor, method).remote(*args, **kwargs))
+        handle = GroupHandle(self, method, [c[0] for c in calls], refs)
+        if skipped:
+            handle.skipped = skipped
+        if self._watchdog is not None:
+            self._watchdog.track(handle)
+        if t0:
+            _trace.driver_call(self, method, calls, handle, t0)
+        return handle
 
     @staticmethod
     def _share(calls: list[tuple[int, tuple, dict]]) -> dict[int, Any]:
@@ -552,7 +609,18 @@ class WorkerGroup:
         }
 
     def _collect(self, handle: GroupHandle, timeout: float | None) -> list[Any]:
-        return get_results(self.name, handle.method, handle.ranks, handle.refs, timeout)
+        try:
+            results = get_results(self.name, handle.method, handle.ranks, handle.refs, timeout)
+        except GroupTimeoutError as e:
+            raise self._timeout_error(handle, e.pending_ranks, e.timeout) from None
+        except WorkerDiedError as e:
+            if not all(isinstance(r, ray.ObjectRef) for r in handle.refs):
+                self._fault.suspect(e.rank)
+                raise
+            return self._collect_after_death(handle, timeout)
+        if handle.method == "get_state":
+            self._fault.see_states(handle.ranks, results)
+        return results
 
     def _pop_durations(self, ranks: list[int]) -> list[dict[str, float]]:
         return ray.get([self._actors[r]._px_pop_durations.remote() for r in ranks], timeout=60)
@@ -587,7 +655,10 @@ class WorkerGroup:
         self, method: str, *args: Any, ranks: list[int] | None = None, **kwargs: Any
     ) -> GroupHandle:
         """Call ``method`` on ``ranks`` (default all) with the same arguments."""
-        ranks = self._all_ranks if ranks is None else self._check_ranks(ranks, "ranks")
+        if ranks is None:
+            calls = [(r, args, kwargs) for r in self._all_ranks]
+            return self._call(method, calls, health=self._broadcast_health())
+        ranks = self._check_ranks(ranks, "ranks")
         return self._call(method, [(r, args, kwargs) for r in ranks])
 
     # ------------------------------------------------------------------ NeMo-RL face
@@ -652,7 +723,8 @@ class WorkerGroup:
         """Same arguments to every worker (or only rank 0 of ``run_rank_0_only_axes``)."""
         self._check_method(method_name)
         ranks = self._rank0_only(run_rank_0_only_axes)
-        return self._call(method_name, [(r, args, kwargs) for r in ranks]).refs
+        calls = [(r, args, kwargs) for r in ranks]
+        return self._call(method_name, calls, health=self._broadcast_health()).refs
 
     def run_all_workers_multiple_data(
         self,
@@ -785,6 +857,448 @@ class WorkerGroup:
             self, return_generators_as_proxies=return_generators_as_proxies
         )
 
+    # ------------------------------------------------------------------ fault tolerance
+    @property
+    def restart_policy(self) -> RestartPolicy:
+        """The group's :class:`RestartPolicy` (``RestartPolicy.never()`` unless given)."""
+        return self._fault.policy
+
+    def _broadcast_health(self) -> str:
+        """Same-arguments calls to every rank may go on without dead ranks when ignoring failures."""
+        return "skip" if self._fault.policy.ignore_failures else "restart"
+
+    def _respawn(self, rank: int, timeout: float) -> tuple[ray.actor.ActorHandle, dict[str, Any]]:
+        """Recreate the actor of ``rank`` on its slot, with its name and environment."""
+        try:
+            ray.kill(self._actors[rank], no_restart=True)  # frees the actor name at once
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        if self._initializer is not None:
+            try:
+                ray.get(self._initializer.__ray_ready__.remote(), timeout=timeout)
+            except RayActorError:  # it died (and with it the workers it owned): a new one
+                self._initializer = self._builder.new_initializer()
+            except GetTimeoutError:
+                pass  # slow, not dead: dropping it would kill the workers it owns
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                actor = ray.get(self._spawn(self._slots[rank]), timeout=timeout)
+                break
+            except Exception as e:  # noqa: BLE001
+                if "already taken" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        m = ray.get(actor._px_describe.remote(), timeout=max(1.0, deadline - time.monotonic()))
+        meta = {
+            "pid": m["pid"],
+            "ray_node_id": m["node_id"],
+            "cuda_visible_devices": m["cuda_visible_devices"],
+        }
+        if m["ray_gpu_ids"]:
+            meta["gpu_ids"] = m["ray_gpu_ids"]
+        return actor, meta
+
+    def _collect_after_death(self, handle: GroupHandle, timeout: float | None) -> list[Any]:
+        """Some called rank died: note it, then raise or (ignoring failures) keep the rest."""
+        errors: dict[int, BaseException] = {}
+        results: list[Any] = []
+        kept: list[int] = []
+        for rank, ref in zip(handle.ranks, handle.refs):
+            try:
+                results.append(ray.get(ref, timeout=timeout))
+                kept.append(rank)
+            except (RayTaskError, RayActorError) as e:
+                errors[rank] = _unwrap(self.name, handle.method, rank, e)
+        died = [r for r, e in errors.items() if isinstance(e, WorkerDiedError)]
+        for rank in died:
+            self._fault.suspect(rank)
+        user = [e for r, e in errors.items() if r not in died]
+        if user or not self._fault.policy.ignore_failures:
+            raise next(iter(errors.values()))
+        logger.warning(
+            "group %s: %s() lost ranks %s (worker died); ignoring failures, %d results",
+            self.name,
+            handle.method,
+            died,
+            len(results),
+        )
+        handle.skipped = sorted({*handle.skipped, *died})
+        return results
+
+    def _timeout_error(self, handle: GroupHandle, pending: list[int], timeout: float) -> Exception:
+        return self._hang_error(handle.method, handle.ranks, handle.refs, pending, timeout)
+
+    def _hang_error(
+        self, method: str, ranks: list[int], refs: list[Any], pending: list[int], timeout: float
+    ) -> Exception:
+        """The ``HangTimeoutError`` of a call that timed out: stacks of ``pending``, results of the rest."""
+        finished: dict[int, Any] = {}
+        for rank, ref in zip(ranks, refs):
+            if rank in pending or not isinstance(ref, ray.ObjectRef):
+                continue
+            try:
+                finished[rank] = ray.get(ref, timeout=0)
+            except Exception as e:  # noqa: BLE001 - that rank's error is its result
+                finished[rank] = _unwrap(self.name, method, rank, e)
+        return _hang.timeout_error(self, method, pending, timeout, finished)
+
+    def health(self) -> dict[int, WorkerHealth]:
+        """Health of every rank: healthy, unhealthy, restarting or dead (for good)."""
+        return dict(enumerate(self._fault.health))
+
+    def health_events(self) -> list[HealthEvent]:
+        """Every health transition so far, oldest first."""
+        with self._fault.cond:
+            return list(self._fault.events)
+
+    def healthy_worker_ids(self) -> list[int]:
+        """Ranks whose worker is healthy (RLlib's worker ids; phalanx ids are 0-based ranks)."""
+        return [r for r, h in enumerate(self._fault.health) if h == WorkerHealth.HEALTHY]
+
+    def num_healthy_workers(self) -> int:
+        return len(self.healthy_worker_ids())
+
+    def num_healthy_remote_workers(self) -> int:
+        """Same as ``num_healthy_workers``: every phalanx worker is remote."""
+        return self.num_healthy_workers()
+
+    def num_remote_workers(self) -> int:
+        return self.world_size
+
+    def num_remote_worker_restarts(self) -> int:
+        """How many times a worker was restarted and came back healthy."""
+        return self._fault.recoveries
+
+    def wait_healthy(self, timeout_seconds: float = 60.0, ranks: list[int] | None = None) -> bool:
+        """Block until ``ranks`` (default all) are healthy; False if the time ran out or a
+        rank is unhealthy or dead with no restart under way."""
+        ranks = self._all_ranks if ranks is None else self._check_ranks(ranks, "ranks")
+        return self._fault.wait_healthy(ranks, timeout_seconds)
+
+    def probe_unhealthy_workers(self, timeout_seconds: float | None = None) -> list[int]:
+        """Ping unhealthy workers, restore or restart them; return the ranks that came back.
+
+        Ranks restarted in the background since the last probe are included, so a caller
+        that re-syncs what came back (as RLlib's algorithms do) misses none.
+        """
+        timeout = (
+            self._fault.policy.health_probe_timeout_s
+            if timeout_seconds is None
+            else timeout_seconds
+        )
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"timeout_seconds must be a positive number, got {timeout_seconds!r}")
+        return self._fault.probe(float(timeout))
+
+    def register_state(self, rank: int | None, state: Any) -> None:
+        """The state ``set_state`` gets after ``rank`` restarts (``None``: every rank).
+
+        The group also remembers each rank's last ``get_state()`` result it returned.
+        """
+        ranks = self._all_ranks if rank is None else self._check_ranks([rank], "rank")
+        if "set_state" not in self._methods:
+            raise ValueError(
+                f"register_state: {self._builder.class_name} has no set_state(state) method"
+            )
+        with self._fault.cond:
+            for r in ranks:
+                self._fault.states[r] = state
+
+    def set_watchdog(self, after_seconds: float | None, stream: Any = None) -> None:
+        """Print a hang report for any call of this group running longer than ``after_seconds``
+        (``None`` turns it off)."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+        if after_seconds is not None:
+            self._watchdog = _hang.Watchdog(self, after_seconds, stream)
+
+    def _foreach_ranks(self, healthy_only: bool, remote_worker_ids: list[int] | None) -> list[int]:
+        if remote_worker_ids is None:
+            ranks = list(self._all_ranks)
+        else:
+            if not isinstance(remote_worker_ids, (list, tuple)):
+                raise TypeError("remote_worker_ids must be a list of ranks")
+            ranks = self._check_ranks(remote_worker_ids, "remote_worker_ids")
+        if healthy_only and self._fault.not_healthy:
+            bad = self._fault.not_healthy
+            ranks = [r for r in ranks if r not in bad]
+        return ranks
+
+    def _foreach_handle(
+        self,
+        func: Any,
+        ranks: list[int],
+        kwargs: dict[str, Any] | None,
+        with_id: bool,
+        health: str,
+    ) -> GroupHandle:
+        kwargs = dict(kwargs or {})
+        funcs = func if isinstance(func, list) else None
+        if funcs is not None and len(funcs) != len(ranks):
+            raise ValueError(f"func: a list of {len(funcs)} functions for {len(ranks)} workers")
+        for f in funcs or [func]:
+            if not (callable(f) or isinstance(f, str)):
+                raise TypeError(f"func must be a callable or a method name, got {type(f).__name__}")
+            if isinstance(f, str):
+                self._check_method(f)
+        if funcs is None and isinstance(func, str) and not with_id:
+            return self._call(func, [(r, (), kwargs) for r in ranks], health=health)
+        if with_id:
+            calls = [(r, (funcs[i] if funcs else func, r), kwargs) for i, r in enumerate(ranks)]
+            return self._call("foreach_worker_with_id", calls, fn=call_with_id, health=health)
+        if funcs is not None:
+            calls = [(r, (funcs[i],), kwargs) for i, r in enumerate(ranks)]
+            return self._call("foreach_worker", calls, fn=call_each, health=health)
+        name = getattr(func, "__name__", "foreach_worker")
+        return self._call(name, [(r, (), kwargs) for r in ranks], fn=func, health=health)
+
+    def foreach_worker(
+        self,
+        func: Callable[[Any], Any] | str | list[Callable[[Any], Any] | str],
+        *,
+        kwargs: dict[str, Any] | None = None,
+        healthy_only: bool = True,
+        remote_worker_ids: list[int] | None = None,
+        timeout_seconds: float | None = None,
+        return_obj_refs: bool = False,
+        mark_healthy: bool = False,
+    ) -> list[Any]:
+        """Run ``func(worker)`` (or the method named ``func``) on each selected worker.
+
+        ``healthy_only`` skips workers not healthy; ``remote_worker_ids`` selects ranks.
+        Results come back in rank order. A rank whose method raised raises here, unless
+        the policy ignores failures (its result is then left out and logged). With
+        ``timeout_seconds`` a call still running then produces a hang report and a
+        :class:`~phalanx.hang.HangTimeoutError` (with ``ignore_failures``: the finished
+        results, and a warning naming the report); ``timeout_seconds=0`` returns what is
+        ready at once, without a report. ``mark_healthy``: unhealthy workers that answer
+        are healthy again.
+        """
+        return [
+            v
+            for _, v in self._foreach(
+                func,
+                kwargs,
+                healthy_only,
+                remote_worker_ids,
+                timeout_seconds,
+                return_obj_refs,
+                mark_healthy,
+                with_id=False,
+            )
+        ]
+
+    def foreach_worker_with_id(
+        self,
+        func: Callable[[int, Any], Any] | str | list[Callable[[int, Any], Any] | str],
+        *,
+        kwargs: dict[str, Any] | None = None,
+        healthy_only: bool = True,
+        remote_worker_ids: list[int] | None = None,
+        timeout_seconds: float | None = None,
+        return_obj_refs: bool = False,
+        mark_healthy: bool = False,
+    ) -> list[Any]:
+        """Like ``foreach_worker`` with ``func(worker_id, worker)``; the id is the rank."""
+        return [
+            v
+            for _, v in self._foreach(
+                func,
+                kwargs,
+                healthy_only,
+                remote_worker_ids,
+                timeout_seconds,
+                return_obj_refs,
+                mark_healthy,
+                with_id=True,
+            )
+        ]
+
+    def _foreach(
+        self,
+        func: Any,
+        kwargs: dict[str, Any] | None,
+        healthy_only: bool,
+        remote_worker_ids: list[int] | None,
+        timeout_seconds: float | None,
+        return_obj_refs: bool,
+        mark_healthy: bool,
+        with_id: bool,
+    ) -> list[tuple[int, Any]]:
+        if timeout_seconds is not None and (
+            isinstance(timeout_seconds, bool)
+            or not isinstance(timeout_seconds, (int, float))
+            or timeout_seconds < 0
+        ):
+            raise ValueError(f"timeout_seconds must be >= 0 or None, got {timeout_seconds!r}")
+        ranks = self._foreach_ranks(healthy_only, remote_worker_ids)
+        if not ranks:
+            return []
+        health = "any" if not healthy_only else self._broadcast_health()
+        handle = self._foreach_handle(func, ranks, kwargs, with_id, health)
+        if return_obj_refs:
+            return list(zip(handle.ranks, handle.refs))
+        ready_refs, _ = ray.wait(
+            handle.refs, num_returns=len(handle.refs), timeout=timeout_seconds, fetch_local=False
+        )
+        done = set(ready_refs)
+        pending = [rk for rk, r in zip(handle.ranks, handle.refs) if r not in done]
+        out: list[tuple[int, Any]] = []
+        errors: list[BaseException] = []
+        for rank, ref in zip(handle.ranks, handle.refs):
+            if ref not in done:
+                continue
+            try:
+                out.append((rank, ray.get(ref)))
+            except (RayTaskError, RayActorError) as e:
+                err = _unwrap(self.name, handle.method, rank, e)
+                if isinstance(err, WorkerDiedError):
+                    self._fault.suspect(rank)
+                errors.append(err)
+        policy = self._fault.policy
+        if errors and not policy.ignore_failures:
+            raise errors[0]
+        for err in errors:
+            logger.warning("group %s: ignoring failure: %s", self.name, str(err).splitlines()[0])
+        if func == "get_state":
+            self._fault.see_states([r for r, _ in out], [v for _, v in out])
+        if pending and timeout_seconds != 0:  # 0 is RLlib's "take what is ready": no report
+            timeout_err = self._timeout_error(handle, pending, float(timeout_seconds or 0))
+            if not policy.ignore_failures:
+                raise timeout_err
+            logger.warning("%s", str(timeout_err))
+        if mark_healthy:
+            self._fault.mark_healthy([r for r, _ in out])
+        return out
+
+    def foreach_worker_async(
+        self,
+        func: Callable[[Any], Any] | str | list[Callable[[Any], Any] | str],
+        *,
+        tag: str | None = None,
+        kwargs: dict[str, Any] | None = None,
+        healthy_only: bool = True,
+        remote_worker_ids: list[int] | None = None,
+        max_in_flight_per_worker: int | None = None,
+    ) -> AsyncSubmission:
+        """Start ``func`` on each selected worker without waiting; collect the results
+        with ``fetch_ready_async_reqs``.
+
+        A worker that already has ``max_in_flight_per_worker`` requests of this ``tag``
+        in flight (default ``group.max_requests_in_flight_per_worker``) is not sent one;
+        the returned :class:`~phalanx.fault.AsyncSubmission` lists it as skipped (and a
+        warning is logged). ``int(submission)`` is the number of requests sent.
+        """
+        budget = (
+            self.max_requests_in_flight_per_worker
+            if max_in_flight_per_worker is None
+            else max_in_flight_per_worker
+        )
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise ValueError(f"max_in_flight_per_worker must be an int >= 1, got {budget!r}")
+        if tag is not None and not isinstance(tag, str):
+            raise TypeError(f"tag must be a str or None, got {type(tag).__name__}")
+        ranks = self._foreach_ranks(healthy_only, remote_worker_ids)
+        fault = self._fault
+        with fault.cond:
+            counts: dict[int, int] = {}
+            for t, r in fault.in_flight.values():
+                if t == tag:
+                    counts[r] = counts.get(r, 0) + 1
+        send = [r for r in ranks if counts.get(r, 0) < budget]
+        over = [r for r in ranks if counts.get(r, 0) >= budget]
+        if isinstance(func, list):
+            if len(func) != len(ranks):
+                raise ValueError(f"func: a list of {len(func)} functions for {len(ranks)} workers")
+            func = [f for f, r in zip(func, ranks) if r in set(send)]
+        sub = AsyncSubmission(tag=tag, skipped=over)
+        if send:
+            handle = self._foreach_handle(func, send, kwargs, False, self._broadcast_health())
+            sub.skipped = sorted([*over, *handle.skipped])
+            sub.sent = list(handle.ranks)
+            with fault.cond:
+                for rank, ref in zip(handle.ranks, handle.refs):
+                    fault.in_flight[ref] = (tag, rank)
+        if sub.skipped:
+            logger.warning(
+                "group %s: foreach_worker_async(tag=%r) skipped ranks %s (over the in-flight "
+                "budget of %d or unavailable)",
+                self.name,
+                tag,
+                sub.skipped,
+                budget,
+            )
+        return sub
+
+    def num_in_flight_async_reqs(self, tags: str | list[str] | None = None) -> int:
+        """Async requests sent and not yet fetched (of ``tags``, default all)."""
+        wanted = _tags(tags)
+        with self._fault.cond:
+            return sum(
+                1 for t, _ in self._fault.in_flight.values() if wanted is None or t in wanted
+            )
+
+    def fetch_ready_async_reqs(
+        self,
+        *,
+        tags: str | list[str] | None = None,
+        timeout_seconds: float | None = 0.0,
+        return_obj_refs: bool = False,
+        mark_healthy: bool = False,
+    ) -> list[tuple[int, Any]]:
+        """``(worker_id, result)`` of the async requests (of ``tags``) that are done.
+
+        Waits up to ``timeout_seconds`` for at least one (0: only what is ready now).
+        A request whose worker raised (or died) raises its error, unless the policy
+        ignores failures; results ready alongside an error are kept for the next fetch.
+        """
+        wanted = _tags(tags)
+        fault = self._fault
+        with fault.cond:
+            held = [(t, r, v) for t, r, v in fault.held if wanted is None or t in wanted]
+            fault.held = [h for h in fault.held if not (wanted is None or h[0] in wanted)]
+            refs = [ref for ref, (t, _) in fault.in_flight.items() if wanted is None or t in wanted]
+        ready: list[ray.ObjectRef] = []
+        if refs:
+            wait_s = 0 if held else timeout_seconds
+            ready, _ = ray.wait(refs, num_returns=1, timeout=wait_s, fetch_local=False)
+            if ready:
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        got: list[tuple[str | None, int, Any]] = list(held)
+        first_error: BaseException | None = None
+        for ref in ready:
+            with fault.cond:
+                tag, rank = fault.in_flight.pop(ref, (None, -1))
+            if rank < 0:
+                continue
+            if return_obj_refs:
+                got.append((tag, rank, ref))
+                continue
+            try:
+                got.append((tag, rank, ray.get(ref)))
+            except (RayTaskError, RayActorError) as e:
+                err = _unwrap(self.name, "foreach_worker_async", rank, e)
+                if isinstance(err, WorkerDiedError):
+                    fault.suspect(rank)
+                if fault.policy.ignore_failures:
+                    logger.warning(
+                        "group %s: ignoring async failure: %s",
+                        self.name,
+                        str(err).splitlines()[0],
+                    )
+                elif first_error is None:
+                    first_error = err
+        if first_error is not None:
+            with fault.cond:
+                fault.held[:0] = got
+            raise first_error
+        out = [(r, v) for _, r, v in got]
+        if mark_healthy:
+            fault.mark_healthy([r for r, _ in out])
+        return out
+
     # ------------------------------------------------------------------ shutdown
     def shutdown(
         self, cleanup_method: str | None = None, timeout: float | None = 30.0, force: bool = False
@@ -805,6 +1319,10 @@ class WorkerGroup:
                 logger.warning("group %s: cleanup %s failed: %s", self.name, cleanup_method, e)
                 success = False
         names = [f"{self.name}:{r}" for r in self._all_ranks]
+        if _trace.ON:
+            _trace.collect_group(self)  # the workers' trace events die with them otherwise
+        self.set_watchdog(None)
+        self._fault.close()
         self._kill_created()
         deadline = time.monotonic() + 30
         for n in names:
@@ -820,6 +1338,24 @@ class WorkerGroup:
 
     def __repr__(self) -> str:
         return f"WorkerGroup({self.name!r}, world_size={self.world_size})"
+
+
+def _check_policy(policy: RestartPolicy | None) -> RestartPolicy:
+    if policy is None:
+        return RestartPolicy.never()
+    if not isinstance(policy, RestartPolicy):
+        raise TypeError(f"restart_policy must be a px.RestartPolicy, got {type(policy).__name__}")
+    return policy
+
+
+def _tags(tags: str | list[str] | None) -> set[str | None] | None:
+    if tags is None:
+        return None
+    if isinstance(tags, str):
+        return {tags}
+    if not isinstance(tags, (list, tuple, set)):
+        raise TypeError(f"tags must be a str, a list of str or None, got {type(tags).__name__}")
+    return set(tags)
 
 
 def _index(value: Any, idx: list[int]) -> Any:

@@ -12,6 +12,7 @@ Resources the cluster cannot provide are reported within seconds, naming what is
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import Any
 
@@ -120,8 +121,13 @@ class RayVirtualCluster:
         pending = ready
         while pending and time.monotonic() - start < timeout_s:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(5.0, timeout_s))
-            if pending:
-                logger.info("waiting for %d placement group(s) of %s", len(pending), prefix)
+            if pending:  # said out loud: a silent wait of up to timeout_s looks like a hang
+                print(
+                    f"[phalanx] {prefix}: waiting for {len(pending)}/{len(ready)} placement "
+                    f"group(s) to be ready ({time.monotonic() - start:.0f}s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         if pending:
             avail = ray.available_resources()
             need = {k: v * self.world_size() for k, v in self._bundle.items()}

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .address import WorkerAddress
+from .comm.mixin import CommMixin
 from .timing import TimerRecorder, timer
+from .weights.receiver import WeightsReceiverMixin
 
 if TYPE_CHECKING:
     from .group import WorkerGroup
@@ -71,7 +73,7 @@ class WorkerContext:
 RANK_ENV_KEYS = frozenset(WorkerContext(group_name="g", rank=0, world_size=1).rank_env())
 
 
-class Worker:
+class Worker(CommMixin, WeightsReceiverMixin):
     """Base class of phalanx workers.
 
     Subclass it, then ``MyWorker.create_group(*init_args).launch(cluster, placement, name)``.

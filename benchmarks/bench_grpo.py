@@ -1,0 +1,133 @@
+"""GRPO step-time breakdown and refit cost against model size.
+
+Part 1 runs a short GRPO job on the tiny model and prints the time per phase
+(generation, log-probs, training, refit), generated tokens/s, and refit's share of the
+step. Part 2 builds Llama models of growing size, refits a generation worker from a
+2-rank FSDP2 policy through the shared-memory IPC path, and prints refit time as a ratio
+to the weight-sync floor: one in-process ``copy_`` of the same bytes.
+
+    python benchmarks/bench_grpo.py [--sizes 10,50] [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+
+def _grpo_breakdown(steps: int, cluster) -> None:
+    from phalanx.algorithms.grpo import GRPOConfig, train
+
+    with tempfile.TemporaryDirectory() as d:
+        cfg = GRPOConfig(
+            run_dir=d, steps=steps, warmup_steps=5, checkpoint_every=10**6, progress=False
+        )
+        hist = train(cfg, cluster)["history"][1:]  # drop the first (warm-up) step
+    phases = ("generation", "logprobs", "training", "refit")
+    step = statistics.median(h["time/step"] for h in hist)
+    print(f"GRPO step (tiny model, {len(hist)} steps, medians):")
+    for p in phases:
+        t = statistics.median(h[f"time/{p}"] for h in hist)
+        print(f"  {p:<11} {t * 1000:8.1f} ms  ({t / step:5.1%} of step)")
+    print(f"  step        {step * 1000:8.1f} ms")
+    print(f"  generated tokens/s: {statistics.median(h['tokens_per_s'] for h in hist):.0f}")
+
+
+def _build(path: str, hidden: int, layers: int) -> int:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from phalanx.llm.tiny_task import build_tokenizer
+
+    tok = build_tokenizer()
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=hidden * 4,
+        num_hidden_layers=layers,
+        num_attention_heads=max(hidden // 64, 1),
+        num_key_value_heads=max(hidden // 64, 1),
+        max_position_embeddings=64,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _refit_vs_size(sizes_m: list[int], cluster) -> None:
+    import phalanx as px
+    from phalanx.llm.generation import HFGenerationWorker
+    from phalanx.llm.policy import Policy
+    from phalanx.llm.refit import Refitter
+
+    print("\nrefit (ipc over shared memory, 2 policy ranks -> 1 generator) vs copy_ floor:")
+    for size in sizes_m:
+        hidden = 512 if size <= 100 else 1024
+        layers = max(1, round(size * 1e6 / (12 * hidden * hidden)))
+        with tempfile.TemporaryDirectory() as d:
+            n = _build(d, hidden, layers)
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(d)
+            cfg = {"model_name": d, "train_global_batch_size": 2, "train_micro_batch_size": 1}
+            policy = Policy(
+                cluster,
+                cfg,
+                tok,
+                num_workers=2,
+                name_prefix="bench_pol",
+                init_optimizer=False,
+                init_reference_model=False,
+            )
+            gen = HFGenerationWorker.create_group({"model_name": d}, tok).launch(
+                cluster, px.NodePlacement(num_workers=1), name="bench_gen"
+            )
+            try:
+                refitter = Refitter(policy, gen, "ipc")
+                refitter.refit()  # first refit creates and maps the segment
+                times = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    refitter.refit()
+                    times.append(time.perf_counter() - t0)
+            finally:
+                gen.shutdown()
+                policy.shutdown()
+        src = torch.randn(n)
+        dst = torch.empty(n)
+        floor = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            floor.append(time.perf_counter() - t0)
+        r, f = min(times), min(floor)
+        print(
+            f"  {n / 1e6:7.1f} M params ({n * 4 / 2**20:7.1f} MiB): refit {r * 1000:8.1f} ms, "
+            f"copy floor {f * 1000:7.2f} ms, ratio {r / f:7.1f}x"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "--sizes", default="10,50", help="model sizes in millions (e.g. 10,100,500)"
+    )
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    import phalanx as px
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cluster = px.Cluster()
+    _grpo_breakdown(args.steps, cluster)
+    _refit_vs_size([int(s) for s in args.sizes.split(",") if s], cluster)
+
+
+if __name__ == "__main__":
+    main()

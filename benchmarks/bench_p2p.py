@@ -1,0 +1,160 @@
+"""p2p benchmark: phalanx send/recv vs raw torch.distributed gloo and vs a plain Ray call.
+
+1. A 64 MB CPU tensor bounced between two workers on one node: phalanx ``send``/``recv``
+   (shared-memory path, and with shared memory off: the gloo path) against raw
+   ``ProcessGroupGloo.send``/``recv`` into preallocated buffers between the same two
+   processes. Bandwidth = bytes / one-way time (half a round trip).
+2. Round-trip latency of a ~1 KB object: ``send`` then ``recv`` of the echo, against a
+   plain Ray actor call to the other worker that returns its argument.
+
+Run: ``python benchmarks/bench_p2p.py``
+"""
+
+from __future__ import annotations
+
+import time
+
+import ray
+import torch
+
+import phalanx as px
+
+MB = 1 << 20
+SIZE = 64 * MB
+ROUNDS = 6
+SMALL_ROUNDS = 300
+
+
+class Bench(px.Worker):
+    def set_shm(self, on: bool):
+        from phalanx.comm import configure
+
+        configure(use_shm=on)
+        return on
+
+    def echo_loop(self, peer_group, n):
+        for _ in range(n):
+            self.send(self.recv(peer_group, 0), peer_group, 0)
+        return n
+
+    def echo_tensor_loop(self, peer_group, n, nbytes):
+        buf = torch.empty(nbytes // 4)
+        for _ in range(n):
+            self.send_tensor(self.recv_tensor(buf, peer_group, 0), peer_group, 0)
+        return n
+
+    def bounce_tensor(self, peer_group, n, nbytes):
+        t = torch.ones(nbytes // 4)
+        t0 = None
+        for i in range(n):
+            if i == 1:
+                t0 = time.perf_counter()
+            self.send_tensor(t, peer_group, 0)
+            self.recv_tensor(t, peer_group, 0)
+        return (time.perf_counter() - t0) / (2 * (n - 1))
+
+    def bounce(self, peer_group, n, nbytes):
+        t = torch.ones(nbytes // 4)
+        self.send(t, peer_group, 0)  # warm-up (connection, first segment)
+        self.recv(peer_group, 0)
+        t0 = time.perf_counter()
+        for _ in range(n - 1):
+            self.send(t, peer_group, 0)
+            t = self.recv(peer_group, 0)
+        return (time.perf_counter() - t0) / (2 * (n - 1))
+
+    def gloo_pg(self, members):
+        from phalanx.comm.collective import get_group
+
+        self._pg = get_group(members, backend="gloo", tag="bench").pg
+        return True
+
+    def gloo_bounce(self, rank, n, nbytes):
+        t = torch.ones(nbytes // 4)
+        other = 1 - rank
+        t0 = None
+        for i in range(n):
+            if i == 1:
+                t0 = time.perf_counter()
+            if rank == 0:
+                self._pg.send([t], other, 0).wait()
+                self._pg.recv([t], other, 0).wait()
+            else:
+                self._pg.recv([t], other, 0).wait()
+                self._pg.send([t], other, 0).wait()
+        return (time.perf_counter() - t0) / (2 * (n - 1))
+
+    def small_rtt(self, peer_group, n):
+        obj = {"step": 1, "payload": b"x" * 900}
+        self.send(obj, peer_group, 0)
+        self.recv(peer_group, 0)
+        t0 = time.perf_counter()
+        for _ in range(n - 1):
+            self.send(obj, peer_group, 0)
+            self.recv(peer_group, 0)
+        return (time.perf_counter() - t0) / (n - 1)
+
+    def ray_rtt(self, peer_actor_name, n):
+        actor = ray.get_actor(peer_actor_name, namespace="phalanx")
+        obj = {"step": 1, "payload": b"x" * 900}
+        ray.get(actor._px_call.remote("echo", obj))
+        t0 = time.perf_counter()
+        for _ in range(n - 1):
+            ray.get(actor._px_call.remote("echo", obj))
+        return (time.perf_counter() - t0) / (n - 1)
+
+    def echo(self, obj):
+        return obj
+
+
+def main() -> None:
+    cluster = px.Cluster(num_cpus=8)
+    a = Bench.create_group().launch(cluster, px.NodePlacement(num_workers=1), name="bench_a")
+    b = Bench.create_group().launch(cluster, px.NodePlacement(num_workers=1), name="bench_b")
+
+    def phalanx_bw(shm: bool) -> float:
+        a.set_shm(shm).wait()
+        b.set_shm(shm).wait()
+        hb = b.echo_loop("bench_a", ROUNDS)
+        one_way = a.bounce("bench_b", ROUNDS, SIZE).wait(timeout=300)[0]
+        hb.wait(timeout=60)
+        return SIZE / one_way / MB
+
+    members = ["bench_a:0", "bench_b:0"]
+    ha, hb = a.gloo_pg(members), b.gloo_pg(members)
+    ha.wait(timeout=120), hb.wait(timeout=120)
+    hb = b.gloo_bounce(1, ROUNDS, SIZE)
+    gloo_one_way = a.gloo_bounce(0, ROUNDS, SIZE).wait(timeout=300)[0]
+    hb.wait(timeout=60)
+    gloo_bw = SIZE / gloo_one_way / MB
+    shm_bw = phalanx_bw(True)
+    hb = b.echo_tensor_loop("bench_a", ROUNDS, SIZE)
+    inplace_bw = SIZE / a.bounce_tensor("bench_b", ROUNDS, SIZE).wait(timeout=300)[0] / MB
+    hb.wait(timeout=60)
+    sock_bw = phalanx_bw(False)
+
+    hb = b.echo_loop("bench_a", SMALL_ROUNDS)
+    p2p_rtt = a.small_rtt("bench_b", SMALL_ROUNDS).wait(timeout=300)[0]
+    hb.wait(timeout=60)
+    ray_rtt = a.ray_rtt("bench_b:0", SMALL_ROUNDS).wait(timeout=300)[0]
+
+    print("64 MB CPU tensor, worker -> worker, same node (MB/s, one way)")
+    print(f"  raw torch.distributed gloo send/recv : {gloo_bw:8.0f}")
+    print(f"  phalanx send/recv, shared memory     : {shm_bw:8.0f}   ratio {shm_bw / gloo_bw:.2f}x")
+    print(
+        f"  phalanx send/recv, shm off (gloo)    : {sock_bw:8.0f}   ratio {sock_bw / gloo_bw:.2f}x"
+    )
+    print(
+        f"  phalanx send_tensor/recv_tensor, shm : {inplace_bw:8.0f}   ratio {inplace_bw / gloo_bw:.2f}x"
+    )
+    print("~1 KB object round trip between the same two workers (us)")
+    print(f"  plain Ray actor call                 : {ray_rtt * 1e6:8.0f}")
+    print(
+        f"  phalanx send + recv of the echo      : {p2p_rtt * 1e6:8.0f}   speed-up {ray_rtt / p2p_rtt:.2f}x"
+    )
+    a.shutdown()
+    b.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Weight sync of a 512 MB fp32 model to 4 receiver workers on one node.
+
+Measured in one run, each against its baseline:
+- phalanx transports vs the naive way (``ray.put(model.state_dict())``, every receiver
+  ``load_state_dict(ray.get(ref))``, Ray's defaults): goal >= 10x faster;
+- phalanx vs the in-process floor (the same four ``param.copy_(src)`` passes in one
+  process, on both cores): goal <= 2x the floor;
+- the collective transport vs raw ``torch.distributed.broadcast`` of the same tensors over
+  the same kind of process group: goal >= 0.9x its speed.
+
+Run: ``python benchmarks/bench_weights.py [--mb 512] [--workers 4] [--repeats 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.pop("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", None)  # the naive baseline uses defaults
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+import phalanx as px  # noqa: E402
+from phalanx.weights.transports.collective import broadcast, new_process_group  # noqa: E402
+
+WIDTH = 4096  # one 4096x4096 fp32 layer is 64 MiB
+
+
+def make_model(mb: int) -> torch.nn.Module:
+    layers = max(1, mb // 64)
+    return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)])
+
+
+class BenchReceiver(px.Worker):
+    def __init__(self, mb: int):
+        super().__init__()
+        torch.manual_seed(1)
+        self.model = make_model(mb)
+        self._pg = None
+
+    def naive_load(self, box: list) -> float:
+        t = time.perf_counter()
+        self.model.load_state_dict(ray.get(box[0]))
+        return time.perf_counter() - t
+
+    def raw_join(self, addr: str, port: int, world: int, rank: int) -> bool:
+        store = torch.distributed.TCPStore(addr, port, world, False)
+        self._pg = new_process_group(store, "raw", rank, world, "gloo", 120)
+        return True
+
+    def raw_recv(self) -> bool:
+        with torch.no_grad():
+            works = [broadcast(self._pg, p.data) for p in self.model.parameters()]
+            for w in works:
+                w.wait()
+        return True
+
+    def checksum(self) -> float:
+        return float(sum(p.double().sum() for p in self.model.parameters()))
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm-up: page faults, process groups, caches
+    return statistics.median(_once(fn) for _ in range(repeats))
+
+
+def _once(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=512)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    # A Ray of its own, even if another one runs on this machine.
+    ray.init(
+        address="local",
+        num_cpus=max(8, args.workers + 2),
+        namespace="phalanx",
+        include_dashboard=False,
+    )
+    cluster = px.Cluster()
+    model = make_model(args.mb)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(
+        f"model: {nbytes / 2**20:.0f} MiB fp32, {args.workers} receivers, 1 node, "
+        f"{os.cpu_count()} cores"
+    )
+    group = BenchReceiver.create_group(args.mb).launch(
+        cluster, px.NodePlacement(num_workers=args.workers), name="bench_weights"
+    )
+    expected = float(sum(p.double().sum() for p in model.parameters()))
+
+    def check() -> None:
+        sums = group.checksum().wait()
+        assert all(abs(s - expected) < 1e-6 * max(1.0, abs(expected)) for s in sums), sums
+
+    # Floor: the same copies in one process, both cores.
+    srcs = [p.detach() for p in model.parameters()]
+    dsts = [[torch.empty_like(s) for s in srcs] for _ in range(args.workers)]
+
+    def floor() -> None:
+        for dst in dsts:
+            for d, s in zip(dst, srcs):
+                d.copy_(s)
+
+    t_floor = timed(floor, args.repeats)
+    dsts.clear()  # free the memory before the next measurements
+
+    # Naive: ray.put(state_dict) and load_state_dict(ray.get(ref)) on each receiver.
+    def naive() -> None:
+        ref = ray.put(model.state_dict())
+        group.naive_load([ref]).wait(timeout=600)
+
+    t_naive = timed(naive, max(1, args.repeats - 1))
+    check()
+
+    results = {}
+    for transport in ("object_store", "shm", "collective"):
+        sender = px.WeightSender(group, model, transport=transport, bucket_size_mb=64)
+
+        def sync(sender=sender) -> None:
+            r = sender.send()
+            assert r.ok and len(r.applied) == args.workers, r
+
+        results[transport] = timed(sync, args.repeats)
+        check()
+        sender.close()
+
+    # Raw torch.distributed broadcast of the same tensors (driver = rank 0).
+    addr = ray.util.get_node_ip_address()
+    store = torch.distributed.TCPStore(addr, 0, None, True, wait_for_workers=False)
+    world = args.workers + 1
+    joins = [
+        group.execute_on(r).raw_join(addr, store.port, world, r + 1) for r in range(args.workers)
+    ]
+    pg = new_process_group(store, "raw", 0, world, "gloo", 120)
+    for j in joins:
+        j.wait(timeout=120)
+
+    def raw() -> None:
+        h = group.raw_recv()
+        works = [broadcast(pg, s) for s in srcs]
+        for w in works:
+            w.wait()
+        h.wait(timeout=600)
+
+    t_raw = timed(raw, args.repeats)
+    check()
+    group.shutdown()
+
+    best = min(results.values())
+    print(f"floor (4x copy_ in one process):     {t_floor:7.3f} s")
+    print(f"naive (put state_dict + load):       {t_naive:7.3f} s")
+    for name, t in results.items():
+        print(
+            f"phalanx {name:<13s}               {t:7.3f} s   "
+            f"{t_naive / t:6.1f}x faster than naive, {t / t_floor:5.2f}x the floor"
+        )
+    print(f"raw torch.distributed.broadcast:     {t_raw:7.3f} s")
+    print()
+    print(
+        f"RATIO speedup vs naive (default object_store): {t_naive / results['object_store']:.1f}x (goal >= 10x)"
+    )
+    print(
+        f"RATIO vs floor (default object_store):          {results['object_store'] / t_floor:.2f}x (goal <= 2x)"
+    )
+    print(f"RATIO vs floor (best transport):                {best / t_floor:.2f}x (goal <= 2x)")
+    print(
+        f"RATIO collective speed vs raw broadcast:        {t_raw / results['collective']:.2f}x (goal >= 0.9x)"
+    )
+
+
+if __name__ == "__main__":
+    main()

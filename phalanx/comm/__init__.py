@@ -1,0 +1,62 @@
+"""Layer 4: communication between workers (p2p messages, collective groups, channels).
+
+Imports nothing heavy at package import; torch is loaded where tensors are handled.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .config import CommConfig, configure
+from .errors import CommError, PeerDiedError, PeerNotFoundError
+from .mixin import CommMixin
+from .work import Work
+
+_LAZY = {
+    "send": ".p2p",
+    "recv": ".p2p",
+    "send_tensor": ".p2p",
+    "recv_tensor": ".p2p",
+    "broadcast": ".p2p",
+    "Channel": ".channel",
+    "create_channel": ".channel",
+    "connect_channel": ".channel",
+    "CollectiveGroup": ".collective",
+    "get_group": ".collective",
+    "ShmHandle": ".shm",
+    "share_tensors": ".shm",
+    "select_transport": ".wire",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'phalanx.comm' has no attribute {name!r}")
+
+
+__all__ = [
+    "Channel",
+    "CollectiveGroup",
+    "CommConfig",
+    "CommError",
+    "CommMixin",
+    "PeerDiedError",
+    "PeerNotFoundError",
+    "ShmHandle",
+    "Work",
+    "broadcast",
+    "configure",
+    "connect_channel",
+    "create_channel",
+    "get_group",
+    "recv",
+    "recv_tensor",
+    "select_transport",
+    "send",
+    "send_tensor",
+    "share_tensors",
+]

@@ -1,0 +1,55 @@
+"""Settings of the communication layer, read from the environment once per process.
+
+``PHALANX_COMM_PEER_CHECK_S`` (default 1.0): how often a waiting operation checks that
+its peer is still alive. ``PHALANX_COMM_PEER_TIMEOUT_S`` (default 20): a peer whose
+liveness probe does not answer for this long counts as dead. A peer process that exits
+is noticed at once (its socket closes); one whose actor Ray reports dead, within one
+check interval. ``PHALANX_COMM_SHM`` (default 1): use shared memory between processes
+of one node. ``PHALANX_COMM_SHM_MIN_BYTES`` / ``PHALANX_COMM_INLINE_MAX_BYTES``: size
+thresholds of the transport decision (see ``transport.select_transport``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def _env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    return float(value) if value else default
+
+
+@dataclass
+class CommConfig:
+    """Tunables of the communication layer (see the module docstring)."""
+
+    peer_check_interval_s: float = 1.0
+    peer_timeout_s: float = 20.0
+    connect_timeout_s: float = 600.0
+    use_shm: bool = True
+    shm_min_bytes: int = 256 * 1024
+    inline_max_bytes: int = 1024 * 1024
+
+
+def _from_env() -> CommConfig:
+    return CommConfig(
+        peer_check_interval_s=_env_float("PHALANX_COMM_PEER_CHECK_S", 1.0),
+        peer_timeout_s=_env_float("PHALANX_COMM_PEER_TIMEOUT_S", 20.0),
+        connect_timeout_s=_env_float("PHALANX_COMM_CONNECT_TIMEOUT_S", 600.0),
+        use_shm=os.environ.get("PHALANX_COMM_SHM", "1") not in ("0", "false", "False"),
+        shm_min_bytes=int(_env_float("PHALANX_COMM_SHM_MIN_BYTES", 256 * 1024)),
+        inline_max_bytes=int(_env_float("PHALANX_COMM_INLINE_MAX_BYTES", 1024 * 1024)),
+    )
+
+
+CONFIG = _from_env()
+
+
+def configure(**changes: float | int | bool) -> CommConfig:
+    """Change settings of this process's communication layer; returns the new settings."""
+    for key, value in changes.items():
+        if not hasattr(CONFIG, key):
+            raise ValueError(f"configure: unknown setting {key!r} (known: {sorted(vars(CONFIG))})")
+        setattr(CONFIG, key, type(getattr(CONFIG, key))(value))
+    return CONFIG

@@ -1,0 +1,193 @@
+"""Configuration of env runners and their group, with RLlib's knob names.
+
+Defaults favour fast recovery on small machines: a dead env runner is restarted at once
+(RLlib waits 60 s), probes give up after 10 s, and one sample request per runner is in
+flight at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+DEFAULT_POLICY_ID = "default_policy"
+
+
+@dataclass
+class EnvRunnerGroupConfig:
+    """Everything an :class:`~phalanx.envs.EnvRunnerGroup` and its runners need.
+
+    Environment:
+        env: a gymnasium env id (``"CartPole-v1"``), or ``None`` when an ``env_creator``
+            is given to the group.
+        env_config: passed to ``env_creator`` inside the :class:`EnvContext` (and as
+            keyword arguments to ``gymnasium.make`` for an env id).
+        num_envs_per_env_runner: sub-environments of each runner's vector env (1).
+        rollout_fragment_length: vector steps per ``sample()`` call when no count is
+            given; a call returns ``rollout_fragment_length * num_envs_per_env_runner``
+            timesteps (128).
+        normalize_observations: keep a running mean/std of observations on every runner,
+            merged across runners by ``sync_env_runner_states`` (False).
+        seed: base seed; runner ``i`` seeds its envs with ``seed + 1000 * i + vector_index``
+            and torch with ``seed + i`` (None: unseeded).
+        explore: sample actions stochastically (True) or greedily.
+    Policies:
+        policy_config: keyword arguments of the default policy class (e.g. ``hidden``).
+        policies_to_train: policy ids the learner trains (None: all of them).
+    Runners and fault tolerance:
+        num_env_runners: remote runner processes (0: sample on the local runner only).
+        num_cpus_per_env_runner: logical CPUs each runner reserves in Ray (1).
+        restart_failed_env_runners: recreate a runner whose process died (True).
+        max_num_env_runner_restarts: restarts allowed per runner before it is given up
+            (100; stops a crash loop, not a run with the odd failure).
+        delay_between_env_runner_restarts_s: wait before recreating a runner (0.0 s: a new
+            runner is up in about a second here; RLlib's default is 60 s).
+        env_runner_health_probe_timeout_s: how long a ping, a state restore or a restart
+            may take before a runner counts as unhealthy (10 s).
+        max_requests_in_flight_per_env_runner: async requests per runner at a time (1).
+        ignore_env_runner_failures: go on with the runners left when one fails and
+            cannot be restarted, instead of raising (False).
+        sample_timeout_s: the longest a ``sample`` round may take before an error that
+            names the runners still sampling (60 s).
+    """
+
+    env: str | None = None
+    env_config: dict[str, Any] = field(default_factory=dict)
+    num_env_runners: int = 0
+    num_envs_per_env_runner: int = 1
+    rollout_fragment_length: int = 128
+    num_cpus_per_env_runner: float = 1.0
+    normalize_observations: bool = False
+    seed: int | None = None
+    explore: bool = True
+    policy_config: dict[str, Any] = field(default_factory=dict)
+    policies_to_train: list[str] | None = None
+    restart_failed_env_runners: bool = True
+    max_num_env_runner_restarts: int = 100
+    delay_between_env_runner_restarts_s: float = 0.0
+    env_runner_health_probe_timeout_s: float = 10.0
+    max_requests_in_flight_per_env_runner: int = 1
+    ignore_env_runner_failures: bool = False
+    sample_timeout_s: float = 60.0
+
+    def validate(self) -> None:
+        """Raise ``ValueError``/``TypeError`` naming the first bad option."""
+        for name in (
+            "num_env_runners",
+            "num_envs_per_env_runner",
+            "rollout_fragment_length",
+            "max_num_env_runner_restarts",
+            "max_requests_in_flight_per_env_runner",
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {v!r}")
+        if self.num_env_runners < 0:
+            raise ValueError(f"num_env_runners must be >= 0, got {self.num_env_runners}")
+        for name in (
+            "num_envs_per_env_runner",
+            "rollout_fragment_length",
+            "max_requests_in_flight_per_env_runner",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_env_runner_restarts < 0:
+            raise ValueError(
+                f"max_num_env_runner_restarts must be >= 0, got {self.max_num_env_runner_restarts}"
+            )
+        for name, positive in (
+            ("num_cpus_per_env_runner", False),
+            ("delay_between_env_runner_restarts_s", False),
+            ("env_runner_health_probe_timeout_s", True),
+            ("sample_timeout_s", True),
+        ):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"{name} must be a number, got {v!r}")
+            if v < 0 or (positive and v == 0):
+                raise ValueError(f"{name} must be {'> 0' if positive else '>= 0'}, got {v}")
+        for name in (
+            "normalize_observations",
+            "explore",
+            "restart_failed_env_runners",
+            "ignore_env_runner_failures",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.env is not None and not isinstance(self.env, str):
+            raise TypeError(f"env must be a gymnasium env id (str) or None, got {self.env!r}")
+        if not isinstance(self.env_config, dict):
+            raise TypeError(f"env_config must be a dict, got {type(self.env_config).__name__}")
+        if not isinstance(self.policy_config, dict):
+            raise TypeError(
+                f"policy_config must be a dict, got {type(self.policy_config).__name__}"
+            )
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int)
+        ):
+            raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+        if self.policies_to_train is not None and not isinstance(
+            self.policies_to_train, (list, tuple, set)
+        ):
+            raise TypeError("policies_to_train must be a list of policy ids or None")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EnvRunnerGroupConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown env runner config keys {unknown} (known: {sorted(known)})")
+        return cls(**d)
+
+
+class EnvContext(dict):
+    """What an ``env_creator`` receives: the ``env_config`` dict plus where the env lives.
+
+    As in RLlib: ``worker_index`` is 0 for the local runner and ``1..n`` for remote
+    runners, ``vector_index`` is the sub-environment's index in its runner's vector env,
+    ``num_workers`` the number of remote runners.
+    """
+
+    def __init__(
+        self,
+        env_config: dict[str, Any] | None = None,
+        worker_index: int = 0,
+        vector_index: int = 0,
+        num_workers: int = 0,
+        remote: bool = False,
+        recreated_worker: bool = False,
+    ):
+        super().__init__(env_config or {})
+        self.worker_index = worker_index
+        self.vector_index = vector_index
+        self.num_workers = num_workers
+        self.remote = remote
+        self.recreated_worker = recreated_worker
+
+    def copy_with_overrides(self, **kw: Any) -> EnvContext:
+        args = dict(
+            env_config=dict(self),
+            worker_index=self.worker_index,
+            vector_index=self.vector_index,
+            num_workers=self.num_workers,
+            remote=self.remote,
+            recreated_worker=self.recreated_worker,
+        )
+        args.update(kw)
+        return EnvContext(**args)
+
+    def __reduce__(self) -> Any:
+        return (
+            EnvContext,
+            (
+                dict(self),
+                self.worker_index,
+                self.vector_index,
+                self.num_workers,
+                self.remote,
+                self.recreated_worker,
+            ),
+        )

@@ -1,0 +1,809 @@
+"""The DTensor policy worker: a Hugging Face causal LM sharded with FSDP2, one per rank.
+
+Each rank of a group joins one ``torch.distributed`` process group (gloo on CPU, NCCL on
+GPU) from the rank environment phalanx sets, loads the model with ``from_pretrained``,
+applies ``fully_shard`` to every decoder layer and then to the root over a 1-D
+data-parallel device mesh, and trains with token-level losses normalised by the number of
+valid tokens of the whole global batch, so the result does not depend on the sharding.
+
+Config (a dict, NeMo-RL's ``PolicyConfig`` keys)::
+
+    model_name                    path of a save_pretrained model (required)
+    train_global_batch_size       rows per optimizer step, over all ranks
+    train_micro_batch_size        rows per forward/backward on one rank
+    logprob_batch_size            rows per forward in get_logprobs
+    max_total_sequence_length     longest input accepted
+    precision                     "float32" | "bfloat16" | "float16" (FSDP2 mixed precision)
+    max_grad_norm                 gradient clipping (None: no clipping)
+    optimizer                     {"name": "torch.optim.AdamW", "kwargs": {...}}
+    scheduler                     None | {"name": "torch.optim.lr_scheduler.X", "kwargs": {...}}
+    dtensor_cfg                   {"activation_checkpointing", "cpu_offload",
+                                   "tensor_parallel_size", "context_parallel_size",
+                                   "sequence_parallel"}
+    seed                          torch seed (same on every rank)
+    profile_dir                   where stop_gpu_profiling writes its trace
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import os
+import socket
+import time
+from collections.abc import Generator, Iterable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ..data import BatchedDataDict
+from ..worker import Worker
+from .loss import LossFunction, valid_token_mask
+
+_PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PG_TIMEOUT = timedelta(seconds=300)
+
+
+# ----------------------------------------------------------------------------- module functions
+
+
+@contextlib.contextmanager
+def unshard_fsdp2_model(model: torch.nn.Module) -> Generator[None, None, None]:
+    """Hold the full (unsharded) parameters of every FSDP2 module inside the block."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    try:
+        for m in fsdp_modules:
+            m.unshard()
+        yield
+    finally:
+        for m in fsdp_modules:
+            m.reshard()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def get_cpu_state_dict(
+    state_generator: Iterable[tuple[str, torch.Tensor | DTensor]], pin_memory: bool = False
+) -> dict[str, torch.Tensor]:
+    """Copy each tensor's local part (a DTensor's shard on this rank) into new CPU memory.
+
+    The copies share nothing with the model, so they survive later training steps.
+    ``pin_memory`` pins them (only when CUDA is available) for fast copies back.
+    """
+    pin = pin_memory and torch.cuda.is_available()
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state_generator:
+        local = _local(value).detach()
+        buf = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+        buf.copy_(local, non_blocking=pin)
+        out[key] = buf
+    if pin:
+        torch.cuda.synchronize()
+    return out
+
+
+def _free_device_cache() -> None:
+    """Return freed GPU memory to the device (a full gc only matters, and pays, on GPU)."""
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _import_object(path: str, what: str) -> Any:
+    module, _, name = path.rpartition(".")
+    if not module:
+        raise ValueError(f"{what}: expected 'module.Name', got {path!r}")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{what}: cannot import {path!r} ({e})") from None
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks: the ModuleList with num_hidden_layers entries."""
+    n = getattr(model.config, "num_hidden_layers", None)
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return list(module)
+    raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
+
+
+# ----------------------------------------------------------------------------- the worker
+
+
+class DTensorPolicyWorker(Worker):
+    """One rank of an FSDP2-sharded policy (NeMo-RL's ``DTensorPolicyWorker``)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}[rank={self.rank}]"
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        tokenizer: Any,
+        weights_path: str | None = None,
+        optimizer_path: str | None = None,
+        init_optimizer: bool = True,
+        init_reference_model: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__()
+        self.cfg = _check_config(config)
+        if tokenizer is None or getattr(tokenizer, "pad_token_id", None) is None:
+            raise ValueError(
+                "tokenizer has no pad token (pad_token_id is None); set tokenizer.pad_token "
+                "(e.g. to the eos token) before building the policy"
+            )
+        self.tokenizer = tokenizer
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self._init_process_group()
+        torch.manual_seed(int(self.cfg.get("seed", 42)))
+
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.dp_size = dist.get_world_size()
+        self.device_mesh = init_device_mesh(
+            self.device.type, (self.dp_size,), mesh_dim_names=("dp",)
+        )
+        self.dp_mesh = self.device_mesh["dp"]
+        self.dtype = _PRECISIONS[self.cfg.get("precision", "float32")]
+        self.model = self._load_model()
+        self.max_seq_len = int(
+            self.cfg.get("max_total_sequence_length")
+            or getattr(self.model.config, "max_position_embeddings", 1 << 30)
+        )
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        if init_optimizer:
+            self._init_optimizer()
+        self.reference_model_state_dict: dict[str, torch.Tensor] | None = None
+        if init_reference_model:
+            self.reference_model_state_dict = get_cpu_state_dict(
+                self.model.state_dict().items(), pin_memory=True
+            )
+        if weights_path:
+            self.load_checkpoint(weights_path, optimizer_path if init_optimizer else None)
+        self._held_refit: dict[str, torch.Tensor] | None = None
+        self._ipc_buffers: list[torch.Tensor] = []
+        self._shm_segment: Any = None
+        self._profiler: Any = None
+        self._peak_rss = 0
+        self.model_update_group: Any = None
+
+    # ------------------------------------------------------------------ setup
+    def _init_process_group(self) -> None:
+        if dist.is_initialized():
+            return
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            rank=int(os.environ.get("RANK", self.rank)),
+            world_size=int(os.environ.get("WORLD_SIZE", self.world_size)),
+            timeout=_PG_TIMEOUT,
+        )
+
+    def _load_model(self) -> torch.nn.Module:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from transformers import AutoModelForCausalLM
+
+        dcfg = self.cfg.get("dtensor_cfg") or {}
+        model = AutoModelForCausalLM.from_pretrained(
+            self.cfg["model_name"], dtype=torch.float32, attn_implementation="sdpa"
+        )
+        model.config.use_cache = False
+        if dcfg.get("activation_checkpointing"):
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+        offload = CPUOffloadPolicy() if dcfg.get("cpu_offload") else None
+        kw: dict[str, Any] = {"mesh": self.dp_mesh, "mp_policy": mp}
+        if offload is not None:
+            kw["offload_policy"] = offload
+        elif self.device.type == "cuda":
+            model = model.to(self.device)
+        for layer in _decoder_layers(model):
+            fully_shard(layer, **kw)
+        # The root too frees its gathered weights after forward, so that state_dict() always
+        # exposes the sharded parameters that in-place swaps (reference, refit) write to.
+        fully_shard(model, reshard_after_forward=True, **kw)
+        return model
+
+    def _reshard(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+    def _init_optimizer(self) -> None:
+        ocfg = self.cfg.get("optimizer") or {
+            "name": "torch.optim.AdamW",
+            "kwargs": {"lr": 1e-3, "weight_decay": 0.0},
+        }
+        cls = _import_object(ocfg["name"], "optimizer.name")
+        self.optimizer = cls(self.model.parameters(), **dict(ocfg.get("kwargs") or {}))
+        scfg = self.cfg.get("scheduler")
+        if scfg:
+            sched_cls = _import_object(scfg["name"], "scheduler.name")
+            self.scheduler = sched_cls(self.optimizer, **dict(scfg.get("kwargs") or {}))
+        else:
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
+
+    # ------------------------------------------------------------------ helpers
+    def _all_reduce(self, value: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        value = value.to(self.device)
+        dist.all_reduce(value, op=op)
+        return value
+
+    def _check_batch(self, data: BatchedDataDict, what: str) -> None:
+        if not isinstance(data, dict) or "input_ids" not in data:
+            raise ValueError(f"{what}: data must be a BatchedDataDict with 'input_ids'")
+        seq = data["input_ids"].shape[1]
+        if seq > self.max_seq_len:
+            raise ValueError(
+                f"{what}: sequence length {seq} exceeds max_total_sequence_length "
+                f"{self.max_seq_len}"
+            )
+
+    def _forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # Right padding needs no attention mask: valid tokens never attend to later pads.
+        return self.model(input_ids=input_ids.to(self.device), use_cache=False).logits
+
+    # ------------------------------------------------------------------ training
+    def train(
+        self,
+        data: BatchedDataDict,
+        loss_fn: LossFunction,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+    ) -> dict[str, Any]:
+        """One optimizer step per global batch in ``data`` (this rank's shard of it).
+
+        Returns ``global_loss`` (one value per global batch, summed over ranks),
+        ``grad_norm``, ``lr`` and ``all_mb_metrics`` (lists, one entry per micro-batch).
+        """
+        gbs = int(gbs or self.cfg["train_global_batch_size"])
+        mbs = int(mbs or self.cfg["train_micro_batch_size"])
+        if gbs % self.dp_size:
+            raise ValueError(
+                f"gbs (train_global_batch_size) {gbs} is not divisible by the data-parallel "
+                f"size {self.dp_size}"
+            )
+        local_gbs = gbs // self.dp_size
+        if local_gbs % mbs:
+            raise ValueError(
+                f"mbs (train_micro_batch_size) {mbs} does not divide the per-rank global batch "
+                f"{local_gbs} (gbs {gbs} / dp {self.dp_size})"
+            )
+        self._check_batch(data, "train")
+        if data.size % local_gbs:
+            raise ValueError(
+                f"train: this rank holds {data.size} rows, not a multiple of the per-rank "
+                f"global batch {local_gbs}"
+            )
+        if not eval_mode and self.optimizer is None:
+            raise RuntimeError("train: the worker was built with init_optimizer=False")
+        self.model.train(not eval_mode)
+        losses, grad_norms, mb_metrics = [], [], {}
+        for gb_start in range(0, data.size, local_gbs):
+            gb = data.slice(gb_start, gb_start + local_gbs)
+            local_toks = valid_token_mask(gb).sum()
+            sample_mask = gb.get("sample_mask", torch.ones(gb.size))
+            counts = self._all_reduce(torch.stack([local_toks, sample_mask.float().sum()]))
+            global_toks, global_seqs = counts[0], counts[1]
+            if not eval_mode:
+                self.optimizer.zero_grad(set_to_none=True)
+            n_mb = local_gbs // mbs
+            gb_loss = torch.zeros((), device=self.device)
+            for i, mb in enumerate(gb.make_microbatch_iterator(mbs)):
+                mb = mb.to(self.device)
+                if hasattr(self.model, "set_requires_gradient_sync"):
+                    self.model.set_requires_gradient_sync(i == n_mb - 1)
+                with torch.set_grad_enabled(not eval_mode):
+                    logits = self._forward_logits(mb["input_ids"]).float()
+                    loss, metrics = loss_fn(logits, mb, global_seqs, global_toks)
+                    if not eval_mode:
+                        # FSDP averages gradients over dp ranks; the loss is already a
+                        # share of the global mean, so undo that average.
+                        (loss * self.dp_size).backward()
+                gb_loss += loss.detach()
+                for k, v in metrics.items():
+                    mb_metrics.setdefault(k, []).append(v)
+            grad_norm = torch.zeros(())
+            if not eval_mode:
+                params = [p for p in self.model.parameters() if p.grad is not None]
+                max_norm = self.cfg.get("max_grad_norm")
+                norm = torch.nn.utils.clip_grad_norm_(
+                    params, max_norm if max_norm else float("inf"), foreach=True
+                )
+                grad_norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).cpu()
+                self.optimizer.step()
+            losses.append(self._all_reduce(gb_loss).cpu())
+            grad_norms.append(grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None
+        if not eval_mode and self.scheduler is not None:
+            self.scheduler.step()
+        return {
+            "global_loss": torch.stack(losses),
+            "grad_norm": torch.stack(grad_norms),
+            "lr": lr,
+            "rank": self.rank,
+            "all_mb_metrics": mb_metrics,
+        }
+
+    # ------------------------------------------------------------------ log-probs
+    @torch.no_grad()
+    def get_logprobs(
+        self, data: BatchedDataDict, micro_batch_size: int | None = None
+    ) -> BatchedDataDict:
+        """Per-token log-probs [B, T] of ``input_ids``; position 0 and padding are 0."""
+        self._check_batch(data, "get_logprobs")
+        mbs = int(micro_batch_size or self.cfg.get("logprob_batch_size") or data.size or 1)
+        ids = data["input_ids"]
+        B, T = ids.shape
+        lengths = data.get("input_lengths")
+        if lengths is None:
+            lengths = torch.full((B,), T, dtype=torch.long)
+        self.model.eval()
+        # FSDP forwards are collective: every rank runs as many as the busiest one.
+        n_mb = -(-B // mbs) if B else 0
+        n_max = int(self._all_reduce(torch.tensor(n_mb), dist.ReduceOp.MAX).item())
+        out = torch.zeros((B, T), dtype=torch.float32)
+        for i in range(n_max):
+            if i < n_mb:
+                chunk = ids[i * mbs : (i + 1) * mbs]
+            else:  # a dummy forward to keep the collectives in step
+                chunk = torch.full((1, 2), self.tokenizer.pad_token_id, dtype=torch.long)
+            logits = self._forward_logits(chunk)
+            if i >= n_mb:
+                continue
+            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+            tok = logp.gather(-1, chunk[:, 1:].to(self.device).unsqueeze(-1)).squeeze(-1)
+            out[i * mbs : (i + 1) * mbs, 1:] = tok.cpu()
+        pos = torch.arange(T).unsqueeze(0)
+        out = out * (pos < lengths.unsqueeze(1)).float()
+        return BatchedDataDict(logprobs=out)
+
+    @contextlib.contextmanager
+    def use_reference_model(self) -> Generator[None, None, None]:
+        """Swap the reference weights into the model in place; swap back afterwards."""
+        if self.reference_model_state_dict is None:
+            raise RuntimeError("use_reference_model: built with init_reference_model=False")
+        self._reshard()
+        state = self.model.state_dict()
+        current = get_cpu_state_dict(state.items(), pin_memory=True)
+        with torch.no_grad():
+            for k, v in state.items():
+                _local(v).copy_(self.reference_model_state_dict[k])
+        try:
+            yield
+        finally:
+            self._reshard()
+            with torch.no_grad():
+                for k, v in state.items():
+                    _local(v).copy_(current[k])
+
+    def update_reference_model(self) -> None:
+        """Take the current weights as the new reference (e.g. after an SFT warm-up)."""
+        self._reshard()
+        self.reference_model_state_dict = get_cpu_state_dict(
+            self.model.state_dict().items(), pin_memory=True
+        )
+
+    def get_reference_policy_logprobs(
+        self, data: BatchedDataDict, micro_batch_size: int | None = None
+    ) -> BatchedDataDict:
+        """``get_logprobs`` under the reference weights, as ``reference_logprobs``."""
+        with self.use_reference_model():
+            lp = self.get_logprobs(data, micro_batch_size)
+        return BatchedDataDict(reference_logprobs=lp["logprobs"])
+
+    @torch.no_grad()
+    def _add_noise_to_weights(self, std: float = 0.01, seed: int = 0) -> None:
+        """Add Gaussian noise to every parameter shard (tests use it to tell weights apart)."""
+        gen = torch.Generator().manual_seed(seed * 1000 + self.rank)
+        self._reshard()
+        for p in self.model.parameters():
+            local = _local(p)
+            noise = torch.randn(local.shape, generator=gen, dtype=torch.float32) * std
+            local.add_(noise.to(local.device, local.dtype))
+
+    def return_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (gathered) model state dict on CPU; every rank must call it."""
+        return {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+            for k, v in self.model.state_dict().items()
+        }
+
+    # ------------------------------------------------------------------ refit
+    # Built on the weight-sync layer (phalanx.weights): its stream layout, shared-memory
+    # segments, CUDA IPC handles and bucketed collective broadcast.
+    def _full_state_for_refit(self) -> dict[str, torch.Tensor]:
+        """Full (gathered) weights; a collective over the policy's ranks."""
+        self._reshard()
+        return {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+            for k, v in self.model.state_dict().items()
+        }
+
+    def _refit_bucket_bytes(self) -> int:
+        from ..weights.layout import check_sizes
+
+        return check_sizes(self.cfg.get("refit_buffer_size_mb", 64))
+
+    def prepare_weights_for_ipc(self) -> tuple[list[tuple[str, int]], float]:
+        """Gather the full weights and hold them for ``get_weights_ipc_handles``.
+
+        Every rank must call it. Returns ``[(name, nbytes)]`` (at the refit dtype, the
+        policy's precision) and the bytes of device memory free for refit buffers.
+        """
+        self._held_refit = self._full_state_for_refit()
+        item = torch.empty((), dtype=self.dtype).element_size()
+        info = [(k, v.numel() * item) for k, v in self._held_refit.items()]
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+        return info, float(free)
+
+    def get_weights_ipc_handles(self, keys: Iterable[str]) -> dict[str, Any]:
+        """Same-node handles to the held weights ``keys``: ``{device_id: handle}``.
+
+        On GPU the weights are packed into one CUDA buffer and its CUDA IPC handle is
+        returned; on CPU they are packed into a shared-memory segment (kept and reused
+        across refits) and its name is returned. The handle carries the stream layout.
+        """
+        from ..weights import gather
+
+        if self._held_refit is None:
+            raise RuntimeError("get_weights_ipc_handles: call prepare_weights_for_ipc first")
+        keys = list(keys)
+        missing = [k for k in keys if k not in self._held_refit]
+        if missing:
+            raise KeyError(f"get_weights_ipc_handles: unknown keys {missing[:5]}")
+        layout, sources = gather({k: self._held_refit[k] for k in keys}, dtype=self.dtype)
+        if self.device.type == "cuda":
+            from ..weights import ipc_handle, pack_to_cuda
+
+            flat = pack_to_cuda(layout, sources, self.device)
+            self._ipc_buffers = [flat]  # alive until the receivers copied (next refit)
+            handle = {"kind": "cuda_ipc", "layout": layout, **ipc_handle(flat)}
+        else:
+            from ..weights import pack_to_shm
+
+            self._shm_segment = pack_to_shm(layout, sources, self._shm_segment)
+            handle = {"kind": "shm", "layout": layout, "name": self._shm_segment.name}
+        return {self.report_device_id(): handle}
+
+    def prepare_info_for_collective(self) -> dict[str, Any]:
+        """The stream layout and bucket size a collective refit uses (every rank calls)."""
+        from ..weights import gather
+
+        layout, _ = gather(self._full_state_for_refit(), dtype=self.dtype)
+        return {"layout": layout, "bucket_bytes": self._refit_bucket_bytes()}
+
+    def init_collective(self, ip: str, port: int, world_size: int) -> None:
+        """Create the refit process group as its rank 0 (on policy rank 0; receivers join
+        as ranks 1..world_size-1). Gloo on CPU, NCCL on GPU."""
+        if self.rank != 0:
+            return
+        from ..weights import new_process_group
+
+        store = dist.TCPStore(ip, port, world_size, True, timeout=_PG_TIMEOUT)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self._refit_store = store
+        self.model_update_group = new_process_group(
+            store, "refit", 0, world_size, backend, _PG_TIMEOUT.total_seconds()
+        )
+
+    def broadcast_weights_for_collective(self) -> None:
+        """Gather the full weights (all policy ranks) and broadcast them from rank 0."""
+        from ..weights import broadcast_stream, gather
+
+        full = self._full_state_for_refit()
+        if self.rank != 0:
+            return
+        if self.model_update_group is None:
+            raise RuntimeError("broadcast_weights_for_collective: call init_collective first")
+        layout, sources = gather(full, dtype=self.dtype)
+        broadcast_stream(
+            self.model_update_group, layout, sources, self._refit_bucket_bytes(), self.device
+        )
+
+    # ------------------------------------------------------------------ memory movement
+    def _move_optimizer(self, device: str | torch.device) -> None:
+        if self.optimizer is None:
+            return
+        for state in self.optimizer.state.values():
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.device != torch.device(device):
+                    state[k] = v.to(device)
+
+    def move_to_device(self, model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
+        """Move parameters and buffers of ``model`` to ``device``."""
+        model = self.move_buffer_to_device(model, device)
+        return model.to(device)
+
+    def move_buffer_to_device(
+        self, model: torch.nn.Module, device: str | torch.device
+    ) -> torch.nn.Module:
+        """Move only the buffers (FSDP2 shards parameters, not buffers)."""
+        for module in model.modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is not None and buf.device != torch.device(device):
+                    module._buffers[name] = buf.to(device)
+        return model
+
+    def move_to_cuda(self, model: torch.nn.Module) -> torch.nn.Module:
+        if not torch.cuda.is_available():
+            raise RuntimeError("move_to_cuda: CUDA is not available on this worker (CPU only)")
+        model = self.move_to_device(model, "cuda")
+        torch.cuda.synchronize()
+        return model
+
+    def move_to_cpu(self, model: torch.nn.Module) -> torch.nn.Module:
+        model = self.move_to_device(model, "cpu")
+        _free_device_cache()
+        return model
+
+    def _model_device(self) -> torch.device:
+        dcfg = self.cfg.get("dtensor_cfg") or {}
+        return torch.device("cpu") if dcfg.get("cpu_offload") else self.device
+
+    def prepare_for_lp_inference(self) -> None:
+        """Model on its device in eval mode; optimizer state off the device."""
+        self.model = self.move_to_device(self.model, self._model_device())
+        self.model.eval()
+        self.offload_before_refit()
+
+    def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
+        """Model and optimizer state on the device, model in train mode."""
+        self.model = self.move_to_device(self.model, self._model_device())
+        self.model.train()
+        self._move_optimizer(self._model_device())
+        _free_device_cache()
+
+    def offload_before_refit(self) -> None:
+        """Move optimizer state to CPU to make room for refit buffers."""
+        self._move_optimizer("cpu")
+        _free_device_cache()
+
+    def offload_after_refit(self) -> None:
+        """Free the held refit buffers and move the model to CPU (until training resumes)."""
+        self.model = self.move_to_cpu(self.model)
+        self.model.eval()
+        self._held_refit = None
+        self._ipc_buffers = []
+        self._move_optimizer("cpu")
+        _free_device_cache()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(
+        self,
+        weights_path: str,
+        optimizer_path: str | None = None,
+        tokenizer_path: str | None = None,
+    ) -> None:
+        """Sharded save with torch.distributed.checkpoint (every rank calls it)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        if not weights_path:
+            raise ValueError("save_checkpoint: weights_path is required")
+        dcp.save({"model": get_model_state_dict(self.model)}, checkpoint_id=weights_path)
+        if optimizer_path:
+            if self.optimizer is None:
+                raise RuntimeError("save_checkpoint: no optimizer (init_optimizer=False)")
+            state = {
+                "optim": get_optimizer_state_dict(self.model, self.optimizer),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
+            }
+            dcp.save(state, checkpoint_id=optimizer_path)
+        if tokenizer_path and self.rank == 0:
+            self.tokenizer.save_pretrained(tokenizer_path)
+        dist.barrier()
+
+    def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
+        """Load a ``save_checkpoint`` directory into this (already sharded) model."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        if not weights_path or not os.path.isdir(weights_path):
+            raise ValueError(f"load_checkpoint: weights_path {weights_path!r} is not a directory")
+        state = {"model": get_model_state_dict(self.model)}
+        dcp.load(state, checkpoint_id=weights_path)
+        set_model_state_dict(self.model, state["model"])
+        if optimizer_path:
+            if not os.path.isdir(optimizer_path):
+                raise ValueError(
+                    f"load_checkpoint: optimizer_path {optimizer_path!r} is not a directory"
+                )
+            if self.optimizer is None:
+                raise RuntimeError("load_checkpoint: no optimizer (init_optimizer=False)")
+            ostate = {
+                "optim": get_optimizer_state_dict(self.model, self.optimizer),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
+            }
+            dcp.load(ostate, checkpoint_id=optimizer_path)
+            set_optimizer_state_dict(self.model, self.optimizer, ostate["optim"])
+            if self.scheduler is not None and ostate["scheduler"]:
+                self.scheduler.load_state_dict(ostate["scheduler"])
+
+    # ------------------------------------------------------------------ the rest of the seed
+    @staticmethod
+    def create_context_parallel_ctx(
+        cp_mesh: Any,
+        cp_buffers: list[torch.Tensor],
+        cp_seq_dims: list[int],
+        cp_no_restore_buffers: set[torch.Tensor],
+        cp_rotate_method: str | None = None,
+    ) -> Any:
+        """torch's context-parallel context that shards ``cp_buffers`` along their seq dims."""
+        from torch.distributed.tensor.experimental import context_parallel
+
+        if cp_rotate_method is not None:
+            from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+            set_rotate_method(cp_rotate_method)
+        return context_parallel(
+            cp_mesh,
+            buffers=cp_buffers,
+            buffer_seq_dims=cp_seq_dims,
+            no_restore_buffers=cp_no_restore_buffers,
+        )
+
+    @staticmethod
+    @contextlib.contextmanager
+    def train_context(cp_context: Any | None = None) -> Generator[None, None, None]:
+        """Enter ``cp_context`` (with the SDPA kernels context parallelism supports)."""
+        with contextlib.ExitStack() as stack:
+            if cp_context is not None:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                stack.enter_context(
+                    sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+                )
+                stack.enter_context(cp_context)
+            yield
+
+    def is_alive(self) -> bool:
+        return True
+
+    def reset_peak_memory_stats(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        self._peak_rss = self._rss()
+
+    @staticmethod
+    def _rss() -> int:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+    def get_gpu_info(self) -> dict[str, Any]:
+        """Device and memory facts of this rank (CPU: process memory, ``cuda`` False)."""
+        rss = self._rss()
+        self._peak_rss = max(self._peak_rss, rss)
+        info: dict[str, Any] = {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+            "device": str(self.device),
+            "cuda": torch.cuda.is_available(),
+            "cpu_rss_bytes": rss,
+            "cpu_peak_rss_bytes": self._peak_rss,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(self.device)
+            info.update(
+                device_name=props.name,
+                total_memory=props.total_memory,
+                memory_allocated=torch.cuda.memory_allocated(self.device),
+                memory_reserved=torch.cuda.memory_reserved(self.device),
+                max_memory_allocated=torch.cuda.max_memory_allocated(self.device),
+                device_uuid=self.report_device_id(),
+            )
+        return info
+
+    def report_device_id(self) -> str:
+        """The GPU's UUID, or ``cpu:<hostname>`` on CPU (same-node processes share it)."""
+        if torch.cuda.is_available():
+            return str(torch.cuda.get_device_properties(self.device).uuid)
+        return f"cpu:{socket.gethostname()}"
+
+    def start_gpu_profiling(self) -> None:
+        """Start the torch profiler (CPU activity, plus CUDA when present)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        if self._profiler is not None:
+            raise RuntimeError("start_gpu_profiling: profiling is already running")
+        acts = [ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            acts.append(ProfilerActivity.CUDA)
+        self._profiler = profile(activities=acts, record_shapes=False)
+        self._profiler.start()
+
+    def stop_gpu_profiling(self) -> str:
+        """Stop the profiler and write a Chrome trace; returns its path."""
+        if self._profiler is None:
+            raise RuntimeError("stop_gpu_profiling: call start_gpu_profiling first")
+        prof, self._profiler = self._profiler, None
+        prof.stop()
+        out_dir = self.cfg.get("profile_dir") or os.path.join(
+            os.environ.get("TMPDIR", "/tmp"), "phalanx_profiles"
+        )
+        os.makedirs(out_dir, exist_ok=True)
+        path = os.path.join(out_dir, f"{self.group_name}_rank{self.rank}_{int(time.time())}.json")
+        prof.export_chrome_trace(path)
+        return path
+
+    def shutdown(self) -> bool:
+        """Release the profiler, refit buffers and process groups."""
+        if self._profiler is not None:
+            self._profiler.stop()
+            self._profiler = None
+        self._held_refit = None
+        if self._shm_segment is not None:
+            self._shm_segment.unlink()
+            self._shm_segment = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return True
+
+
+def _check_config(config: Any) -> dict[str, Any]:
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a dict, got {type(config).__name__}")
+    path = config.get("model_name")
+    if not path:
+        raise ValueError("config['model_name'] is required (a save_pretrained directory)")
+    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
+        raise ValueError(f"config['model_name']: model path {path!r} does not exist")
+    precision = config.get("precision", "float32")
+    if precision not in _PRECISIONS:
+        raise ValueError(f"config['precision'] {precision!r} is not one of {sorted(_PRECISIONS)}")
+    for key in ("train_global_batch_size", "train_micro_batch_size"):
+        v = config.get(key)
+        if v is not None and (not isinstance(v, int) or v < 1):
+            raise ValueError(f"config[{key!r}] must be a positive int, got {v!r}")
+    dcfg = config.get("dtensor_cfg") or {}
+    tp = int(dcfg.get("tensor_parallel_size", 1))
+    cp = int(dcfg.get("context_parallel_size", 1))
+    if tp != 1:
+        raise NotImplementedError(
+            f"dtensor_cfg.tensor_parallel_size={tp}: phalanx's policy worker shards with FSDP2 "
+            "over data-parallel ranks only; tensor parallelism is not implemented yet"
+        )
+    if cp != 1:
+        raise NotImplementedError(
+            f"dtensor_cfg.context_parallel_size={cp}: context parallelism needs the "
+            "flash/efficient SDPA kernels of CUDA and is not wired into training yet"
+        )
+    if dcfg.get("sequence_parallel"):
+        raise NotImplementedError(
+            "dtensor_cfg.sequence_parallel=True needs tensor parallelism, which is not implemented"
+        )
+    return dict(config)

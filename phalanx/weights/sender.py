@@ -1,0 +1,505 @@
+"""The sending side: ``WeightSender`` and ``RayModuleTransformSender`` (TorchRL names).
+
+``send`` snapshots the weights (from the sender's model, a module, a dict or a
+TensorDict), moves them with the chosen transport and blocks until the chosen workers
+applied them; ``send_async``/``wait_async`` split that in two so the sender can compute
+meanwhile. Every send carries a new version; receivers ignore versions that are not
+newer. A worker that dies does not stop the others: the ``SyncResult`` names it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from ..group import WorkerGroup
+from ..timing import TimerRecorder
+from .layout import Layout, check_dtype, check_name_map, check_sizes, gather, to_named_tensors
+from .receiver import WeightMismatchError
+from .transports import TRANSPORTS
+from .transports import collective as _coll
+from .transports import object_store as _os
+from .transports import shm as _shm
+
+_PING_TIMEOUT_S = 10.0
+
+
+@dataclass
+class SyncResult:
+    """What one send did: who applied, who ignored it (not newer), who failed and why."""
+
+    version: int
+    applied: list[int] = field(default_factory=list)
+    ignored: list[int] = field(default_factory=list)
+    failed: dict[int, str] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    transport: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """True when no chosen worker failed."""
+        return not self.failed
+
+
+@dataclass
+class _Pending:
+    version: int
+    ranks: list[int]
+    transport: str
+    refs: dict[int, Any]
+    layout: Layout
+    sources: list[torch.Tensor]
+    t0: float
+    timings: dict[str, float]
+    thread: threading.Thread | None = None
+    thread_error: list[BaseException] = field(default_factory=list)
+    keep: Any = None  # keeps a snapshot alive until the receivers are done
+
+
+class WeightSender:
+    """Sends a model's weights to the workers of a group.
+
+    ``WeightSender(group, model=None, *, transport="object_store" | "collective" | "shm",
+    bucket_size_mb=256, dtype=None, name_map=None)``. ``dtype`` casts floating-point
+    tensors on the way (e.g. fp32 master weights to bf16 receivers); ``name_map`` (a
+    callable or dict; None drops a tensor) renames trainer names to receiver names.
+    Neither materialises a second full copy on the sender.
+    """
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        model: torch.nn.Module | None = None,
+        *,
+        transport: str = "object_store",
+        bucket_size_mb: float = 256,
+        dtype: torch.dtype | None = None,
+        name_map: Any = None,
+        backend: str | None = None,
+        timeout_s: float = 300.0,
+        apply_timeout_s: float | None = None,
+        timers: TimerRecorder | None = None,
+    ):
+        if not isinstance(group, WorkerGroup):
+            raise TypeError(f"group must be a phalanx WorkerGroup, got {type(group).__name__}")
+        if not group.actors:
+            raise ValueError("group: the group is not launched (or was shut down)")
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be an nn.Module or None, got {type(model).__name__}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")
+        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
+            raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+        check_dtype(dtype)
+        check_name_map(name_map)
+        self.group = group
+        self.model = model
+        self.transport = transport
+        self.bucket_bytes = check_sizes(bucket_size_mb)
+        self.dtype = dtype
+        self.name_map = name_map
+        self.backend = backend
+        self.timeout_s = float(timeout_s)
+        self.apply_timeout_s = apply_timeout_s if apply_timeout_s is not None else self.timeout_s
+        self.timers = timers if timers is not None else TimerRecorder()
+        self._pending: _Pending | None = None
+        self._segment: _shm.ShmSegment | None = None
+        self._store: Any = None
+        self._pgs: dict[tuple, tuple[str, Any]] = {}
+        self._last: tuple[int, Any, Any] | None = None  # (version, source, object-store payload)
+        # Start above whatever the workers already hold (e.g. from an earlier sender).
+        self._version = max(self._query_versions(group.actors), default=0)
+        group._weights_restore = self._restore
+        self._finalizer = weakref.finalize(self, WeightSender._cleanup, self.__dict__)
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def version(self) -> int:
+        """The version of the latest send started."""
+        return self._version
+
+    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> SyncResult:
+        """Send and block until the chosen workers applied the weights (all workers if None)."""
+        if self._pending is not None:
+            raise RuntimeError("send(): a send_async() is pending; call wait_async() first")
+        self._pending = self._start(weights, worker_ids, snapshot=False)
+        return self.wait_async()
+
+    def send_async(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+        """Start a send and return at once; ``wait_async()`` completes it.
+
+        The weights are snapshot before this returns, so the sender may keep training.
+        """
+        if self._pending is not None:
+            raise RuntimeError("send_async(): a previous send_async() is still pending")
+        self._pending = self._start(weights, worker_ids, snapshot=True)
+
+    def wait_async(self) -> SyncResult:
+        """Block until the pending ``send_async()`` was applied; ``RuntimeError`` if none is pending."""
+        pending = self._pending
+        if pending is None:
+            raise RuntimeError("wait_async(): no send_async() is pending")
+        try:
+            return self._finish(pending)
+        finally:
+            self._pending = None
+
+    def update_weights(self, weights: Any) -> SyncResult:
+        """Send ``weights`` to every worker and wait (TorchRL's ``update_weights``)."""
+        return self.send(weights)
+
+    def close(self) -> None:
+        """Release the shared-memory segment, the process groups and the last snapshot."""
+        if self._pending is not None:
+            self.wait_async()
+        WeightSender._cleanup(self.__dict__)
+
+    # ------------------------------------------------------------------ internals
+    def _query_versions(self, actors: list[Any]) -> list[int]:
+        refs = [a._px_weights.remote("version") for a in actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=30)
+        out = []
+        for r in ready:
+            try:
+                out.append(int(ray.get(r)))
+            except (RayActorError, RayTaskError):
+                pass
+        return out
+
+    def _ranks(self, worker_ids: Any) -> list[int]:
+        n = self.group.world_size
+        if worker_ids is None:
+            return list(range(n))
+        ids = [worker_ids] if isinstance(worker_ids, int) else worker_ids
+        if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in ids
+        ):
+            raise TypeError(
+                f"worker_ids must be None, an int or a list of ints, got {worker_ids!r}"
+            )
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"worker_ids {bad} out of range for a group of {n} workers")
+        if not ids:
+            raise ValueError("worker_ids is an empty list")
+        return list(dict.fromkeys(ids))
+
+    def _named(self, weights: Any) -> Any:
+        if weights is None:
+            if self.model is None:
+                raise ValueError(
+                    "weights=None needs the sender's model: WeightSender(group, model)"
+                )
+            weights = self.model
+        return to_named_tensors(weights)
+
+    def _start(self, weights: Any, worker_ids: Any, snapshot: bool) -> _Pending:
+        ranks = self._ranks(worker_ids)
+        t0 = time.perf_counter()
+        with self.timers.span("weights/gather"):
+            named = self._named(weights)
+            layout, sources = gather(named, name_map=self.name_map, dtype=self.dtype)
+        timings = {"gather": time.perf_counter() - t0}
+        self._version += 1
+        version = self._version
+        pending = _Pending(version, ranks, self.transport, {}, layout, sources, t0, timings)
+        if self.transport == "collective":
+            self._start_collective(pending, snapshot)
+        else:
+            t1 = time.perf_counter()
+            with self.timers.span("weights/pack"):
+                payloads = self._pack(pending)
+            timings["pack"] = time.perf_counter() - t1
+            for r in ranks:
+                kind, payload = payloads[r]
+                pending.refs[r] = self._apply_remote(r, kind, version, layout, payload)
+        # What the fault layer needs to re-sync a restarted worker to this version.
+        self._last = (version, weights if weights is not None else self.model, None)
+        return pending
+
+    def _apply_remote(
+        self, rank: int, kind: str, version: int, layout: Layout, payload: Any
+    ) -> Any:
+        actor = self.group.actors[rank]
+        return actor._px_weights.remote(
+            "apply", kind, version, layout, payload, self.apply_timeout_s
+        )
+
+    def _pack(self, p: _Pending) -> dict[int, tuple[str, Any]]:
+        """Per rank: (receiver transport, payload)."""
+        remote: list[int] = p.ranks
+        out: dict[int, tuple[str, Any]] = {}
+        if self.transport == "shm":
+            here = ray.get_runtime_context().get_node_id()
+            meta = self.group.worker_metadata
+            local = [r for r in p.ranks if meta[r].get("ray_node_id") == here]
+            remote = [r for r in p.ranks if r not in local]
+            if local:
+                on_gpu = any(s.device.type == "cuda" for s in p.sources)
+                if on_gpu:
+                    from .transports import cuda_ipc
+
+                    flat = cuda_ipc.pack_to_cuda(p.layout, p.sources, p.sources[0].device)
+                    p.keep = flat
+                    payload = ("cuda_ipc", cuda_ipc.ipc_handle(flat))
+                else:
+                    self._segment = _shm.pack_to_shm(p.layout, p.sources, self._segment)
+                    payload = ("shm", {"name": self._segment.name})
+                out.update({r: payload for r in local})
+        if remote:
+            payload = _os.put(p.layout, p.sources, self.bucket_bytes)
+            p.keep = (p.keep, payload)
+            self._last_os = (p.version, p.layout, payload)
+            out.update({r: ("object_store", payload) for r in remote})
+        return out
+
+    # -- collective ---------------------------------------------------------------------
+    def _alive(self, ranks: list[int]) -> tuple[list[int], dict[int, str]]:
+        actors = self.group.actors
+        refs = {r: actors[r]._px_ping.remote() for r in ranks}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=_PING_TIMEOUT_S)
+        alive, dead = [], {}
+        for r, ref in refs.items():
+            if ref not in ready:
+                dead[r] = f"did not answer a ping within {_PING_TIMEOUT_S}s"
+                continue
+            try:
+                ray.get(ref)
+                alive.append(r)
+            except (RayActorError, RayTaskError) as e:
+                dead[r] = f"worker died: {type(e).__name__}"
+        return alive, dead
+
+    def _backend(self, sources: list[torch.Tensor]) -> str:
+        if self.backend is not None:
+            return self.backend
+        return "nccl" if sources and sources[0].device.type == "cuda" else "gloo"
+
+    def _process_group(self, ranks: list[int], backend: str) -> tuple[str, Any]:
+        actors = self.group.actors
+        ident = (backend, tuple(ranks), tuple(actors[r]._actor_id.hex() for r in ranks))
+        if ident in self._pgs:
+            return self._pgs[ident]
+        import torch.distributed as dist
+
+        addr = ray.util.get_node_ip_address()
+        if self._store is None:
+            self._store = dist.TCPStore(addr, 0, None, True, wait_for_workers=False)
+        key = uuid.uuid4().hex[:12]
+        world = len(ranks) + 1
+        timeout = min(self.timeout_s, 120.0)
+        joins = [
+            actors[r]._px_weights.remote(
+                "collective_join", key, addr, self._store.port, world, i + 1, backend, timeout
+            )
+            for i, r in enumerate(ranks)
+        ]
+        pg = _coll.new_process_group(self._store, key, 0, world, backend, timeout)
+        ray.get(joins, timeout=timeout)
+        self._pgs[ident] = (key, pg)
+        return key, pg
+
+    def _start_collective(self, p: _Pending, snapshot: bool) -> None:
+        alive, dead = self._alive(p.ranks)
+        p.timings["_dead"] = dead  # type: ignore[assignment]
+        if not alive:
+            return
+        backend = self._backend(p.sources)
+        device = p.sources[0].device if backend == "nccl" else torch.device("cpu")
+        key, pg = self._process_group(alive, backend)
+        payload = {"key": key, "bucket_bytes": self.bucket_bytes}
+        for r in alive:
+            p.refs[r] = self._apply_remote(r, "collective", p.version, p.layout, payload)
+        if snapshot:
+            t1 = time.perf_counter()
+            with self.timers.span("weights/pack"):
+                flat = torch.empty(p.layout.total_bytes, dtype=torch.uint8, device=device)
+                from .layout import pack_range
+
+                pack_range(flat, p.layout, p.sources, 0, p.layout.total_bytes)
+            p.timings["pack"] = time.perf_counter() - t1
+            p.keep = flat
+
+            def run() -> None:
+                try:
+                    _coll.broadcast_packed(pg, flat, self.bucket_bytes)
+                except BaseException as e:  # noqa: BLE001 - reported by wait_async
+                    p.thread_error.append(e)
+
+            p.thread = threading.Thread(target=run, name="phalanx-weights-bcast", daemon=True)
+            p.thread.start()
+        else:
+            t1 = time.perf_counter()
+            try:
+                with self.timers.span("weights/pack"):  # pack and broadcast overlap
+                    _coll.broadcast_stream(pg, p.layout, p.sources, self.bucket_bytes, device)
+            except Exception as e:  # noqa: BLE001 - a receiver died; handled in _finish
+                p.thread_error.append(e)
+            p.timings["broadcast"] = time.perf_counter() - t1
+
+    # -- completion ---------------------------------------------------------------------
+    def _finish(self, p: _Pending) -> SyncResult:
+        deadline = p.t0 + self.timeout_s
+        if p.thread is not None:
+            p.thread.join(max(0.0, deadline - time.perf_counter()))
+        result = SyncResult(p.version, transport=p.transport)
+        result.failed.update(p.timings.pop("_dead", {}) or {})  # type: ignore[arg-type]
+        mismatches: dict[int, BaseException] = {}
+        acks = self._collect(p.refs, deadline, result, mismatches)
+        if p.transport == "collective" and (p.thread_error or (p.thread and p.thread.is_alive())):
+            # The broadcast broke (a receiver died mid-way): drop the groups, re-send the
+            # same version to the survivors through the object store.
+            self._drop_groups()
+            redo = [r for r in p.ranks if r not in result.applied and r not in result.ignored]
+            alive, dead = self._alive(redo)
+            for r, why in dead.items():
+                result.failed[r] = result.failed.get(r) or why
+            for r in alive:
+                result.failed.pop(r, None)
+            if alive:
+                payload = _os.put(p.layout, p.sources, self.bucket_bytes)
+                refs = {
+                    r: self._apply_remote(r, "object_store", p.version, p.layout, payload)
+                    for r in alive
+                }
+                acks.update(
+                    self._collect(refs, time.perf_counter() + self.timeout_s, result, mismatches)
+                )
+        for key in ("transfer", "apply"):
+            values = [a[key] for a in acks.values()]
+            if values:
+                result.timings[key] = max(values)
+        result.timings.update(p.timings)
+        result.timings["total"] = time.perf_counter() - p.t0
+        self.timers._totals["weights/transfer"] += result.timings.get("transfer", 0.0)
+        self.timers._totals["weights/apply"] += result.timings.get("apply", 0.0)
+        if mismatches:
+            rank, err = sorted(mismatches.items())[0]
+            exc = WeightMismatchError(f"worker {rank} of group {self.group.name}: {err}")
+            exc.result = result  # type: ignore[attr-defined]
+            raise exc
+        return result
+
+    def _collect(
+        self,
+        refs: dict[int, Any],
+        deadline: float,
+        result: SyncResult,
+        mismatches: dict[int, BaseException],
+    ) -> dict[int, dict[str, Any]]:
+        acks: dict[int, dict[str, Any]] = {}
+        if not refs:
+            return acks
+        left = max(0.0, deadline - time.perf_counter())
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=left)
+        ready_set = set(ready)
+        for r, ref in refs.items():
+            if ref not in ready_set:
+                result.failed[r] = f"did not apply within {self.timeout_s}s"
+                continue
+            try:
+                ack = ray.get(ref, timeout=1.0)
+            except RayTaskError as e:
+                cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
+                if isinstance(cause, WeightMismatchError):
+                    mismatches[r] = cause
+                result.failed[r] = f"{type(cause).__name__}: {cause}"
+                continue
+            except (RayActorError, GetTimeoutError) as e:
+                result.failed[r] = f"worker died: {type(e).__name__}"
+                continue
+            acks[r] = ack
+            result.failed.pop(r, None)
+            (result.applied if ack["status"] == "applied" else result.ignored).append(r)
+        result.applied.sort()
+        result.ignored.sort()
+        return acks
+
+    def _drop_groups(self) -> None:
+        for ident, (key, _) in list(self._pgs.items()):
+            for r, actor_id in zip(ident[1], ident[2]):
+                actors = self.group.actors
+                if r < len(actors) and actors[r]._actor_id.hex() == actor_id:
+                    actors[r]._px_weights.remote("collective_drop", key)
+        self._pgs.clear()
+
+    # -- fault tolerance ----------------------------------------------------------------
+    def _restore(self, ranks: list[int]) -> None:
+        """Re-send the latest version to ``ranks`` (called by the fault layer after restarts).
+
+        Goes through the object store. For the collective transport, whose buckets are
+        not kept, the weights are taken again from the last source (the model or the
+        weights object given), so they are its current values.
+        """
+        if self._last is None:
+            return
+        if self._pending is not None:
+            self.wait_async()
+        version, source, _ = self._last
+        last_os = getattr(self, "_last_os", None)
+        if last_os is not None and last_os[0] == version:
+            _, layout, payload = last_os
+        else:
+            layout, sources = gather(self._named(source), name_map=self.name_map, dtype=self.dtype)
+            payload = _os.put(layout, sources, self.bucket_bytes)
+            self._last_os = (version, layout, payload)
+        ranks = self._ranks(list(ranks))
+        refs = {r: self._apply_remote(r, "object_store", version, layout, payload) for r in ranks}
+        result = SyncResult(version, transport="object_store")
+        self._collect(refs, time.perf_counter() + self.timeout_s, result, {})
+        if result.failed:
+            raise RuntimeError(
+                f"weights restore to ranks {sorted(result.failed)} failed: {result.failed}"
+            )
+
+    @staticmethod
+    def _cleanup(state: dict[str, Any]) -> None:
+        seg = state.get("_segment")
+        if seg is not None:
+            seg.unlink()
+            state["_segment"] = None
+        state["_pgs"] = {}
+        state["_last_os"] = None
+
+
+class RayModuleTransformSender(WeightSender):
+    """A sender for the one actor that hosts a module (TorchRL's ``RayModuleTransformSender``).
+
+    ``target`` is a phalanx group (usually of one worker); ``worker_id`` picks the actor
+    that hosts the module. ``send()`` with no ``worker_ids`` sends to that actor only.
+    """
+
+    def __init__(
+        self,
+        target: WorkerGroup,
+        model: torch.nn.Module | None = None,
+        *,
+        worker_id: int = 0,
+        **kwargs: Any,
+    ):
+        super().__init__(target, model, **kwargs)
+        self.worker_id = self._ranks(worker_id)[0]
+
+    def _start(self, weights: Any, worker_ids: Any, snapshot: bool) -> _Pending:
+        return super()._start(
+            weights, self.worker_id if worker_ids is None else worker_ids, snapshot
+        )
+
+    def update_weights(self, weights: Any) -> SyncResult:
+        """Send ``weights`` to the actor that hosts the module and wait until applied."""
+        return self.send(weights)
+
+
+def _is_mapping(x: Any) -> bool:
+    return isinstance(x, Mapping)

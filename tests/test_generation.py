@@ -1,0 +1,138 @@
+"""HF generation workers and refit from a 2-rank FSDP2 policy through every transport."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import phalanx as px
+from phalanx.llm.generation import HFGenerationWorker
+from phalanx.llm.loss import NLLLoss
+from phalanx.llm.policy import Policy
+from phalanx.llm.refit import TRANSPORTS, Refitter
+from phalanx.llm.tiny_task import AdditionTask, build_tiny_model, encode_prompts, sft_batch
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tinygen") / "model")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def _gen_cfg(path, **over):
+    cfg = {"model_name": path, "max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0, "seed": 1}
+    cfg.update(over)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def setup(cluster, model_path, tokenizer):
+    cfg = {
+        "model_name": model_path,
+        "train_global_batch_size": 8,
+        "train_micro_batch_size": 4,
+        "max_total_sequence_length": 32,
+        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}},
+    }
+    policy = Policy(cluster, cfg, tokenizer, num_workers=2, name_prefix="gen_pol")
+    gen = HFGenerationWorker.create_group(_gen_cfg(model_path), tokenizer).launch(
+        cluster, px.NodePlacement(num_workers=2), name="gen_workers"
+    )
+    yield policy, gen
+    gen.shutdown()
+    policy.shutdown()
+
+
+def _prompts(tokenizer, n=6, seed=0):
+    pairs = AdditionTask(seed).sample_prompts(n)
+    ids, lengths = encode_prompts(tokenizer, [p for p, _ in pairs])
+    return px.BatchedDataDict(input_ids=ids, input_lengths=lengths)
+
+
+def _local_greedy(model_path, state, tokenizer, data, max_new):
+    """Greedy decoding with plain HF generate on a model holding ``state``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.load_state_dict(state)
+    worker = HFGenerationWorker.__new__(HFGenerationWorker)
+    worker.__init__(_gen_cfg(model_path, max_new_tokens=max_new), tokenizer)
+    worker.model = model.eval()
+    return worker.generate(data, greedy=True)
+
+
+def test_generate_outputs_are_well_formed(setup, tokenizer):
+    _, gen = setup
+    data = _prompts(tokenizer)
+    out = gen.execute_on(0).generate(data).wait(60)[0]
+    B, P = data["input_ids"].shape
+    assert out["output_ids"].shape == (B, P + 6)
+    eos = tokenizer.eos_token_id
+    for i in range(B):
+        n, g = int(data["input_lengths"][i]), int(out["generation_lengths"][i])
+        assert 1 <= g <= 6
+        assert torch.equal(out["output_ids"][i, :n], data["input_ids"][i, :n])
+        assert int(out["unpadded_sequence_lengths"][i]) == n + g
+        gen_tokens = out["output_ids"][i, n : n + g]
+        # Generation stops at the first stop token, which is kept.
+        assert eos not in gen_tokens[:-1].tolist()
+        assert g == 6 or gen_tokens[-1] == eos
+        assert torch.all(out["logprobs"][i, n : n + g] <= 0)
+        assert torch.all(out["logprobs"][i, :n] == 0) and torch.all(
+            out["logprobs"][i, n + g :] == 0
+        )
+        assert torch.all(out["output_ids"][i, n + g :] == tokenizer.pad_token_id)
+    # Greedy is deterministic; sampling at a high temperature varies.
+    g1 = gen.execute_on(0).generate(data, greedy=True).wait(60)[0]
+    g2 = gen.execute_on(1).generate(data, greedy=True).wait(60)[0]
+    assert torch.equal(g1["output_ids"], g2["output_ids"])
+
+
+def test_generation_config_errors(model_path, tokenizer):
+    for bad, match in (
+        ({"temperature": 0}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"model_name": "/tmp/nope-model"}, "/tmp/nope-model"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            HFGenerationWorker(_gen_cfg(model_path, **bad), tokenizer)
+    worker = HFGenerationWorker(_gen_cfg(model_path, max_new_tokens=60), tokenizer)
+    with pytest.raises(ValueError, match="max_position_embeddings 64"):
+        worker.generate(_prompts(tokenizer))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_refit_makes_generator_match_policy(setup, model_path, tokenizer, transport):
+    policy, gen = setup
+    # Move the policy away from what the generators hold: a training step plus noise.
+    policy.train(sft_batch(tokenizer, AdditionTask(7).sample_prompts(8)), NLLLoss())
+    seed = TRANSPORTS.index(transport) + 1
+    g = policy.worker_group
+    g._collect(g._call("noise", [(r, (0.05, seed), {}) for r in (0, 1)], fn=_noise), 60)
+    state = policy.state_dict()
+    before = gen.execute_on(0).get_state_dict().wait(60)[0]
+    assert any(not torch.equal(before[k], state[k]) for k in state)
+
+    Refitter(policy, gen, transport).refit()
+
+    data = _prompts(tokenizer, n=8, seed=seed)
+    expected = _local_greedy(model_path, state, tokenizer, data, max_new=6)
+    for rank, sd in enumerate(gen.get_state_dict().wait(60)):
+        for k in state:
+            assert torch.equal(sd[k], state[k]), (transport, rank, k)
+    for out in gen.generate(data, greedy=True).wait(60):
+        assert torch.equal(out["output_ids"], expected["output_ids"]), transport
+        torch.testing.assert_close(out["logprobs"], expected["logprobs"])
+
+
+def _noise(worker, std, seed):
+    worker._add_noise_to_weights(std, seed)
