@@ -922,7 +922,7 @@ def get_endpoint() -> Endpoint:
     global _ENDPOINT
     ep = _ENDPOINT
     if ep is not None and not ep.closed:
-        if ray.is_initialized() and ray.get_runtime_context().get_job_id() == ep.job_id:
+        if ray.is_initialized() and _session_key() == ep.job_id:
             return ep
         ep.close()  # Ray was restarted under this process: announce a new endpoint
     with _ENDPOINT_LOCK:
@@ -931,9 +931,15 @@ def get_endpoint() -> Endpoint:
             if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
                 name = ray.get_runtime_context().get_actor_name()
             _ENDPOINT = Endpoint(name or f"{DRIVER_PREFIX}{uuid.uuid4().hex[:12]}")
-            _ENDPOINT.job_id = ray.get_runtime_context().get_job_id()
+            _ENDPOINT.job_id = _session_key()
             atexit.register(_ENDPOINT.close)
         return _ENDPOINT
+
+
+def _session_key() -> str:
+    """Identifies the Ray session: job ids restart at 01000000 in a new Ray, node ids do not."""
+    ctx = ray.get_runtime_context()
+    return f"{ctx.get_job_id()}@{ctx.get_node_id()}"
 
 
 def reset_endpoint() -> None:
