@@ -122,26 +122,8 @@ class WorkerHost:
     def _px_call(self, _px_method__: str, *args: Any, **kwargs: Any) -> Any:
         # Arguments travel as top-level task arguments: Ray resolves ObjectRefs among
         # them, and a call without arguments costs one small argument (the name).
-        method = _px_method__
-        fn = self._resolve(method)
-        self._current = (method, time.time())
-        t0 = _trace.call_begin() if _trace.ON else 0.0
-        out = None
-        try:
-            if self._kinds.get(method) == "async":
-                out = self._run_coro(fn(*args, **kwargs))
-            else:
-                out = fn(*args, **kwargs)
-            return out
-        except SystemExit:
-            self._exiting.set()
-            raise
-        except Exception as e:
-            raise self._error(method, e) from None
-        finally:
-            self._current = None
-            if t0:
-                _trace.worker_call(method, t0, args, kwargs, out)
+        fn = self._resolve(_px_method__)
+        return self._invoke(_px_method__, lambda: fn(*args, **kwargs), args, kwargs)
 
     @holds_model_lock
     def _px_stream(self, _px_method__: str, *args: Any, **kwargs: Any) -> Iterator[Any]:
@@ -174,11 +156,15 @@ class WorkerHost:
         """Run ``fn(worker, *args, **kwargs)`` (RLlib's ``foreach_worker`` with a function)."""
         fn = _px_fn__
         name = getattr(fn, "__name__", "function")
+        return self._invoke(name, lambda: fn(self._obj, *args, **kwargs), args, kwargs)
+
+    def _invoke(self, name: str, run: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
+        """Run one call (awaiting it if it is a coroutine) with error wrapping and tracing."""
         self._current = (name, time.time())
         t0 = _trace.call_begin() if _trace.ON else 0.0
         out = None
         try:
-            out = fn(self._obj, *args, **kwargs)
+            out = run()
             if inspect.iscoroutine(out):
                 out = self._run_coro(out)
             return out
