@@ -21,7 +21,7 @@ import phalanx as px
 
 MB = 1 << 20
 SIZE = 64 * MB
-ROUNDS = 6
+ROUNDS = 20
 SMALL_ROUNDS = 300
 
 

@@ -139,6 +139,21 @@ class CommWorker(px.Worker):
     def pid(self):
         return os.getpid()
 
+    def set_shm(self, on):
+        from phalanx.comm import configure
+
+        return configure(use_shm=on).use_shm
+
+    def send_seq(self, n, nbytes, group, rank):
+        for i in range(n):
+            self.send(torch.full((nbytes // 4,), float(i)), group, rank)
+        return n
+
+    def recv_keep(self, n, group, rank):
+        """Receive n tensors keeping every one alive; then check none was overwritten."""
+        kept = [self.recv(group, rank) for _ in range(n)]
+        return [float(t.min()) == float(t.max()) == i for i, t in enumerate(kept)]
+
 
 class SendWorker(px.Worker):
     """The RLinf seed's example sender, on CPU (gloo/shared memory, no CUDA)."""
@@ -286,6 +301,22 @@ def test_send_tensor_in_place_and_mismatch(pair):
     h = b.execute_on(0).recv_all(1, "comm_a", 0)
     a.execute_on(0).send_all(["next"], "comm_b", 0).wait(timeout=60)
     assert h.wait(timeout=60) == [["next"]]
+
+
+@pytest.mark.parametrize("use_shm", [True, False])
+def test_received_tensors_stay_valid_while_buffers_are_reused(pair, use_shm):
+    a, b = pair
+    try:
+        a.execute_on(0).set_shm(use_shm).wait()
+        got = b.execute_on(0).recv_keep(12, "comm_a", 0)
+        a.execute_on(0).send_seq(12, 2 << 20, "comm_b", 0).wait(timeout=60)
+        assert got.wait(timeout=60)[0] == [True] * 12
+        # freed ones are reused: the next round still arrives intact
+        got = b.execute_on(0).recv_keep(12, "comm_a", 0)
+        a.execute_on(0).send_seq(12, 2 << 20, "comm_b", 0).wait(timeout=60)
+        assert got.wait(timeout=60)[0] == [True] * 12
+    finally:
+        a.execute_on(0).set_shm(True).wait()
 
 
 def test_recv_timeout(pair):

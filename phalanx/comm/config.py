@@ -6,7 +6,11 @@ liveness probe does not answer for this long counts as dead. A peer process that
 is noticed at once (its socket closes); one whose actor Ray reports dead, within one
 check interval. ``PHALANX_COMM_SHM`` (default 1): use shared memory between processes
 of one node. ``PHALANX_COMM_SHM_MIN_BYTES`` / ``PHALANX_COMM_INLINE_MAX_BYTES``: size
-thresholds of the transport decision (see ``transport.select_transport``).
+thresholds of the transport decision (see ``wire.select_transport``).
+``PHALANX_COMM_POOL_SLOTS`` (default 4) / ``PHALANX_COMM_POOL_BYTES`` (default
+1 GiB): how many reusable buffers, of how many bytes in all, this process keeps per peer:
+shared-memory segments for what it sends (``shm.SegmentPool``), receive buffers for what
+arrives through gloo (``buffers.BufferPool``).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class CommConfig:
     use_shm: bool = True
     shm_min_bytes: int = 256 * 1024
     inline_max_bytes: int = 1024 * 1024
+    pool_slots: int = 4
+    pool_bytes: int = 1 << 30
 
 
 def _from_env() -> CommConfig:
@@ -40,6 +46,8 @@ def _from_env() -> CommConfig:
         use_shm=os.environ.get("PHALANX_COMM_SHM", "1") not in ("0", "false", "False"),
         shm_min_bytes=int(_env_float("PHALANX_COMM_SHM_MIN_BYTES", 256 * 1024)),
         inline_max_bytes=int(_env_float("PHALANX_COMM_INLINE_MAX_BYTES", 1024 * 1024)),
+        pool_slots=int(_env_float("PHALANX_COMM_POOL_SLOTS", 4)),
+        pool_bytes=int(_env_float("PHALANX_COMM_POOL_BYTES", 1 << 30)),
     )
 
 

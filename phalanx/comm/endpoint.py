@@ -38,6 +38,7 @@ from typing import Any
 import ray
 
 from . import shm
+from .buffers import BufferPool
 from .config import CONFIG
 from .errors import CommError, PeerDiedError, PeerNotFoundError
 from .wire import CUDA_IPC, GLOO, INLINE, NCCL, SHM, Outgoing, decode, select_transport
@@ -163,6 +164,8 @@ class _Inbox:
         self.sock: socket.socket | None = None
         self.info: PeerInfo | None = None
         self.pgs: dict[str, Any] = {}
+        self.segments = shm.SegmentReader()
+        self.buffers = BufferPool(CONFIG.pool_slots, CONFIG.pool_bytes)
         self.has_pending: Callable[[], bool] | None = None  # handler mode: is anyone waiting?
 
     # -- receiving side (user threads) --------------------------------------------
@@ -274,10 +277,15 @@ class _Inbox:
             old = self.sock
             if self.info is not None and self.info.incarnation != info.incarnation:
                 self.pgs = {}
+                self.segments.clear()
             self.sock, self.info, self.error = sock, info, None
             self.cv.notify_all()
         if old is not None and old is not sock:
             _close(old)
+
+
+def _new_pool() -> shm.SegmentPool:
+    return shm.SegmentPool(max_slots=CONFIG.pool_slots, max_bytes=CONFIG.pool_bytes)
 
 
 def _mismatch(buf: Any, dtype: Any, shape: tuple[int, ...]) -> ValueError:
@@ -312,6 +320,7 @@ class _OutConn:
         self.sock: socket.socket | None = None
         self.info: PeerInfo | None = None
         self.pgs: dict[str, Any] = {}
+        self.pool = _new_pool()
         self.lock = threading.Lock()  # guards sock/info setup
 
     def submit(self, msg: Outgoing, async_op: bool) -> concurrent.futures.Future:
@@ -382,6 +391,8 @@ class _OutConn:
             _close(self.sock)
             self.sock = None
             self.pgs = {}
+            self.pool.close()
+            self.pool = _new_pool()
 
 
 class Endpoint:
@@ -663,8 +674,7 @@ class Endpoint:
                     else _torch().frombuffer(b.data, dtype=_torch().uint8)
                     for b in shm_blobs
                 ]
-                path, size, offsets = shm.write_segment(flat)
-                segment = (path, size)
+                segment, offsets = conn.pool.write(flat)
                 for b, off in zip(shm_blobs, offsets):
                     b.extra = off
             except OSError:
@@ -766,9 +776,7 @@ class Endpoint:
             box.pgs[backend] = _make_pg(backend, dist.PrefixStore(skeleton, store), 1, self.info.ip)
             box.pgs[backend + "_store"] = store
             return
-        seg = None
-        if segment is not None:
-            seg = shm.open_segment(*segment)
+        seg = box.segments.open(segment) if segment is not None else None
         if kind == "raw":
             self._read_raw(box, sock, specs[0], seg)
             return
@@ -856,10 +864,10 @@ class Endpoint:
         if transport == GLOO:
             if into is not None and into.device.type == "cpu":
                 dest = into
-            elif is_tensor:
-                dest = torch.empty(shape, dtype=_dtype(dtype))
             else:
-                dest = torch.empty(nbytes, dtype=torch.uint8)
+                dest = box.buffers.take(nbytes)
+                if is_tensor:
+                    dest = dest.view(_dtype(dtype)).view(shape)
             pg.recv([_flat_u8(dest)], 0, 0).wait()
         else:  # NCCL
             dest = (

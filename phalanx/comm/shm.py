@@ -1,10 +1,16 @@
-"""Same-node shared memory for CPU tensors: one file in ``/dev/shm`` per message.
+"""Same-node shared memory for CPU tensors: files in ``/dev/shm`` mapped by both sides.
 
-The sender copies the bytes in once; the receiver maps the file and builds its tensors
-as views of the mapping (no second copy), then unlinks the name, so the memory is freed
-when the last tensor viewing it is. ``posix_fallocate`` reserves the space up front so a
-full ``/dev/shm`` is an ``OSError`` (and the caller falls back to a socket transport),
-never a ``SIGBUS`` while writing.
+The sender copies the bytes in once; the receiver builds its tensors as views of the
+mapping (no second copy). Messages to one peer go through a ``SegmentPool``: a few
+segments that both sides keep mapped, so after the first use of a slot neither side
+pays for new pages again. A slot's first byte says whether it is in use: the sender sets
+it before writing a message in, the receiver clears it when the last tensor viewing that
+message is freed, so a received tensor stays valid for as long as it lives. When every
+slot is in use (the receiver keeps its tensors) and the pool is at its limits, a message
+goes in a one-shot segment that the receiver owns. Either way the receiver unlinks the
+name once it has mapped it, so nothing is left in ``/dev/shm`` once both sides let go.
+``posix_fallocate`` reserves the space up front so a full ``/dev/shm`` is an ``OSError``
+(and the caller falls back to a socket transport), never a ``SIGBUS`` while writing.
 
 ``share_tensors`` / ``ShmHandle`` are the public helper other layers use (e.g. weight
 sync to several workers on one node: write once, every reader opens the same handle).
@@ -12,17 +18,22 @@ sync to several workers on one node: write once, every reader opens the same han
 
 from __future__ import annotations
 
+import functools
 import itertools
+import mmap
 import os
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from .buffers import Recycler, lease
 
 if TYPE_CHECKING:
     import torch
 
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
+_HEADER = _ALIGN  # a pool slot's first byte: 1 while a message in it is alive
 _counter = itertools.count()
 _created: set[str] = set()
 _created_lock = threading.Lock()
@@ -41,6 +52,127 @@ def _new_path(tag: str) -> str:
     return os.path.join(SHM_DIR, f"px_{tag}_{os.getpid()}_{next(_counter)}")
 
 
+def _create(tag: str, size: int) -> str:
+    """A new file of ``size`` bytes, its space reserved; tracked until a reader unlinks it."""
+    path = _new_path(tag)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    with _created_lock:
+        _created.add(path)
+        if len(_created) > 1024:  # names the readers already unlinked
+            _created.intersection_update({p for p in _created if os.path.exists(p)})
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError:
+        os.close(fd)
+        unlink(path)
+        raise
+    os.close(fd)
+    return path
+
+
+def _map(path: str, size: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class SegmentRef:
+    """Where a message's bulk bytes are: a pool slot (``pooled``) or a one-shot segment."""
+
+    path: str
+    size: int  # bytes of the message
+    capacity: int = 0  # bytes of the slot's file (pooled only)
+    pooled: bool = False
+    retired: tuple[str, ...] = ()  # slots the sender stopped using: the reader drops them
+
+
+class _Slot:
+    __slots__ = ("path", "capacity", "mm", "data")
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.path = _create("pool", _HEADER + capacity)
+        self.mm = _map(self.path, _HEADER + capacity)
+        self.data = lease(self.mm, _HEADER, capacity)
+
+    def free(self) -> bool:
+        return self.mm[0] == 0
+
+
+class SegmentPool(Recycler):
+    """Reusable segments for the messages this process sends to one peer (sender side)."""
+
+    def __init__(self, max_slots: int = 4, max_bytes: int = 1 << 30):
+        super().__init__(max_slots, max_bytes)
+        self._retired: list[str] = []
+
+    def write(self, blobs: list[torch.Tensor]) -> tuple[SegmentRef, list[int]]:
+        """Copy flat uint8 tensors into a free slot (or a one-shot segment); (ref, offsets)."""
+        offsets, total = [], 0
+        for b in blobs:
+            offsets.append(total)
+            total += aligned(b.numel())
+        total = max(total, _ALIGN)
+        slot = self._acquire(total)
+        if slot is None:
+            path, size, offsets = write_segment(blobs)
+            return SegmentRef(path, size, retired=self._take_retired()), offsets
+        slot.mm[0] = 1
+        for b, off in zip(blobs, offsets):
+            slot.data[off : off + b.numel()].copy_(b)
+        ref = SegmentRef(slot.path, total, slot.capacity, True, self._take_retired())
+        return ref, offsets
+
+    def close(self) -> None:
+        """Let go of every slot (the peer is gone or reconnected)."""
+        for slot in self._items:
+            unlink(slot.path)
+        self._items.clear()
+        self._retired.clear()
+
+    def _make(self, nbytes: int) -> _Slot:
+        return _Slot(nbytes)
+
+    def _drop(self, slot: _Slot) -> None:
+        unlink(slot.path)
+        self._retired.append(slot.path)
+
+    def _take_retired(self) -> tuple[str, ...]:
+        retired, self._retired = tuple(self._retired), []
+        return retired
+
+
+def _release(mm: mmap.mmap) -> None:
+    if not mm.closed:
+        mm[0] = 0
+
+
+class SegmentReader:
+    """Maps the segments one peer sends through (receiver side), each pool slot once."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, mmap.mmap] = {}
+
+    def open(self, ref: SegmentRef) -> torch.Tensor:
+        """The message's bytes as a flat uint8 tensor viewing the shared memory."""
+        for path in ref.retired:
+            self._maps.pop(path, None)
+        if not ref.pooled:
+            return open_segment(ref.path, ref.size)
+        mm = self._maps.get(ref.path)
+        if mm is None:
+            mm = self._maps[ref.path] = _map(ref.path, _HEADER + ref.capacity)
+            unlink(ref.path)
+        return lease(mm, _HEADER, ref.size, functools.partial(_release, mm))
+
+    def clear(self) -> None:
+        """Forget every mapping (a new incarnation of the peer)."""
+        self._maps.clear()
+
+
 def write_segment(blobs: list[torch.Tensor], tag: str = "msg") -> tuple[str, int, list[int]]:
     """Copy flat uint8 tensors into a new shared-memory file; returns (path, size, offsets)."""
     import torch
@@ -50,19 +182,7 @@ def write_segment(blobs: list[torch.Tensor], tag: str = "msg") -> tuple[str, int
         offsets.append(total)
         total += aligned(b.numel())
     total = max(total, _ALIGN)
-    path = _new_path(tag)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    with _created_lock:
-        _created.add(path)
-        if len(_created) > 1024:  # names the readers already unlinked
-            _created.intersection_update({p for p in _created if os.path.exists(p)})
-    try:
-        os.posix_fallocate(fd, 0, total)
-    except OSError:
-        os.close(fd)
-        unlink(path)
-        raise
-    os.close(fd)
+    path = _create(tag, total)
     seg = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
     for b, off in zip(blobs, offsets):
         seg[off : off + b.numel()].copy_(b)
