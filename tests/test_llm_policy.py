@@ -209,10 +209,10 @@ def test_bad_input_names_the_value(cluster, policy2, model_path, tokenizer):
         Policy(cluster, _cfg(model_path), no_pad, num_workers=2)
     with pytest.raises(ValueError, match="train_global_batch_size 7"):
         Policy(cluster, _cfg(model_path, train_global_batch_size=7), tokenizer, num_workers=2)
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2"):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 .*num_attention_heads=4"):
         from phalanx.llm.policy_worker import _check_config
 
-        _check_config(_cfg(model_path, dtensor_cfg={"tensor_parallel_size": 2}))
+        _check_config(_cfg(model_path, dtensor_cfg={"tensor_parallel_size": 3}))
     data = _data(tokenizer)
     with pytest.raises(ValueError, match="gbs 5 is not divisible"):
         policy2.train(data, NLLLoss(), gbs=5)

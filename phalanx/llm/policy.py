@@ -21,12 +21,22 @@ from ..placement import NodePlacement
 from ..sharding import NamedSharding
 from ..virtual_cluster import RayVirtualCluster
 from .loss import LossFunction
+from .policy_worker import check_parallel_config
 
 DP_AXIS = "data_parallel"
+TP_AXIS = "tensor_parallel"
+
+
+def _sharding(world_size: int, tp: int) -> NamedSharding:
+    """Ranks on a (data_parallel, tensor_parallel) grid, as the workers' device mesh."""
+    if world_size % tp:
+        raise ValueError(f"dtensor_cfg.tensor_parallel_size={tp} does not divide {world_size}")
+    return NamedSharding(np.arange(world_size).reshape(world_size // tp, tp), [DP_AXIS, TP_AXIS])
 
 
 class Policy:
-    """An FSDP2 policy over ``num_workers`` ranks.
+    """An FSDP2 policy over ``num_workers`` ranks (``num_workers / tensor_parallel_size``
+    data-parallel ranks, each a group of ``tensor_parallel_size`` neighbouring ranks).
 
     ``cluster`` is a ``px.Cluster`` (workers placed with ``NodePlacement``) or a
     ``RayVirtualCluster`` (one worker per bundle, NeMo-RL style).
@@ -58,10 +68,17 @@ class Policy:
             )
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
-        gbs = config.get("train_global_batch_size")
-        if isinstance(gbs, int) and gbs % num_workers:
+        tp, _ = check_parallel_config(config)
+        if num_workers % tp:
             raise ValueError(
-                f"train_global_batch_size {gbs} is not divisible by num_workers {num_workers}"
+                f"dtensor_cfg.tensor_parallel_size={tp} does not divide num_workers {num_workers}"
+            )
+        dp = num_workers // tp
+        gbs = config.get("train_global_batch_size")
+        if isinstance(gbs, int) and gbs % dp:
+            raise ValueError(
+                f"train_global_batch_size {gbs} is not divisible by the data-parallel size {dp} "
+                f"(num_workers {num_workers} / tensor_parallel_size {tp})"
             )
         self.cfg = config
         self.tokenizer = tokenizer
@@ -76,12 +93,12 @@ class Policy:
             init_reference_model=init_reference_model,
         )
         if isinstance(cluster, RayVirtualCluster):
-            sharding = NamedSharding(np.arange(cluster.world_size), [DP_AXIS])
+            sharding = _sharding(cluster.world_size, tp)
             self.worker_group = RayWorkerGroup(
                 cluster, builder, name_prefix=name_prefix, sharding_annotations=sharding
             )
         else:
-            sharding = NamedSharding(np.arange(num_workers), [DP_AXIS])
+            sharding = _sharding(num_workers, tp)
             self.worker_group = RayWorkerGroup(remote_worker_builder=builder).launch(
                 cluster,
                 NodePlacement(num_workers=num_workers, num_cpus=num_cpus_per_worker),
@@ -105,8 +122,14 @@ class Policy:
             )
 
     def _sharded(self, method: str, shards: list[BatchedDataDict], **common: Any) -> list[Any]:
+        # The tp ranks of one data-parallel rank take the same shard and return one result.
         fut = self.worker_group.run_all_workers_sharded_data(
-            method, data=shards, in_sharded_axes=[DP_AXIS], common_kwargs=common
+            method,
+            data=shards,
+            in_sharded_axes=[DP_AXIS],
+            replicate_on_axes=[TP_AXIS],
+            output_is_replicated=[TP_AXIS],
+            common_kwargs=common,
         )
         return fut.get_results(self.worker_group, timeout=self.timeout_s)
 

@@ -2,9 +2,11 @@
 
 Each rank of a group joins one ``torch.distributed`` process group (gloo on CPU, NCCL on
 GPU) from the rank environment phalanx sets, loads the model with ``from_pretrained``,
-applies ``fully_shard`` to every decoder layer and then to the root over a 1-D
-data-parallel device mesh, and trains with token-level losses normalised by the number of
-valid tokens of the whole global batch, so the result does not depend on the sharding.
+builds a ("dp", "tp") device mesh, applies tensor (and sequence) parallelism over "tp"
+when ``tensor_parallel_size > 1`` and then ``fully_shard`` to every decoder layer and the
+root over "dp" (``parallelize.py``), and trains with token-level losses normalised by the
+number of valid tokens of the whole global batch, so the result does not depend on the
+sharding. Context parallelism needs CUDA (see ``check_parallel_config``).
 
 Config (a dict, NeMo-RL's ``PolicyConfig`` keys)::
 
@@ -43,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from ..data import BatchedDataDict
 from ..worker import Worker
 from .loss import LossFunction, valid_token_mask
+from .parallelize import apply_fsdp, apply_tp, check_tp_size, clip_grad_norm
 
 _PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PG_TIMEOUT = timedelta(seconds=300)
@@ -107,15 +110,6 @@ def _import_object(path: str, what: str) -> Any:
         raise ValueError(f"{what}: cannot import {path!r} ({e})") from None
 
 
-def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks: the ModuleList with num_hidden_layers entries."""
-    n = getattr(model.config, "num_hidden_layers", None)
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
-            return list(module)
-    raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
-
-
 # ----------------------------------------------------------------------------- the worker
 
 
@@ -151,11 +145,22 @@ class DTensorPolicyWorker(Worker):
 
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.dp_size = dist.get_world_size()
+        dcfg = self.cfg.get("dtensor_cfg") or {}
+        self.tp_size = int(dcfg.get("tensor_parallel_size", 1))
+        world = dist.get_world_size()
+        if world % self.tp_size:
+            raise ValueError(
+                f"dtensor_cfg.tensor_parallel_size={self.tp_size} does not divide the "
+                f"number of policy ranks {world}"
+            )
+        self.dp_size = world // self.tp_size
+        self.sequence_parallel = bool(dcfg.get("sequence_parallel")) and self.tp_size > 1
+        # Rank r sits at (r // tp, r % tp): tp ranks are neighbours (the same node first).
         self.device_mesh = init_device_mesh(
-            self.device.type, (self.dp_size,), mesh_dim_names=("dp",)
+            self.device.type, (self.dp_size, self.tp_size), mesh_dim_names=("dp", "tp")
         )
-        self.dp_mesh = self.device_mesh["dp"]
+        self.dp_mesh, self.tp_mesh = self.device_mesh["dp"], self.device_mesh["tp"]
+        self._dp_group = self.dp_mesh.get_group()
         self.dtype = _PRECISIONS[self.cfg.get("precision", "float32")]
         self.model = self._load_model()
         self.max_seq_len = int(
@@ -193,7 +198,7 @@ class DTensorPolicyWorker(Worker):
         )
 
     def _load_model(self) -> torch.nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
         from transformers import AutoModelForCausalLM
 
         dcfg = self.cfg.get("dtensor_cfg") or {}
@@ -207,16 +212,11 @@ class DTensorPolicyWorker(Worker):
             )
         mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         offload = CPUOffloadPolicy() if dcfg.get("cpu_offload") else None
-        kw: dict[str, Any] = {"mesh": self.dp_mesh, "mp_policy": mp}
-        if offload is not None:
-            kw["offload_policy"] = offload
-        elif self.device.type == "cuda":
+        if offload is None and self.device.type == "cuda":
             model = model.to(self.device)
-        for layer in _decoder_layers(model):
-            fully_shard(layer, **kw)
-        # The root too frees its gathered weights after forward, so that state_dict() always
-        # exposes the sharded parameters that in-place swaps (reference, refit) write to.
-        fully_shard(model, reshard_after_forward=True, **kw)
+        if self.tp_size > 1:
+            apply_tp(model, self.tp_mesh, self.sequence_parallel)
+        apply_fsdp(model, self.dp_mesh, mp, offload)
         return model
 
     def _reshard(self) -> None:
@@ -241,9 +241,11 @@ class DTensorPolicyWorker(Worker):
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
 
     # ------------------------------------------------------------------ helpers
-    def _all_reduce(self, value: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+    def _all_reduce(
+        self, value: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None
+    ) -> torch.Tensor:
         value = value.to(self.device)
-        dist.all_reduce(value, op=op)
+        dist.all_reduce(value, op=op, group=group)
         return value
 
     def _check_batch(self, data: BatchedDataDict, what: str) -> None:
@@ -258,7 +260,13 @@ class DTensorPolicyWorker(Worker):
 
     def _forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         # Right padding needs no attention mask: valid tokens never attend to later pads.
-        return self.model(input_ids=input_ids.to(self.device), use_cache=False).logits
+        T = input_ids.shape[1]
+        pad = -T % self.tp_size if self.sequence_parallel else 0
+        if pad:  # sequence parallelism splits the sequence evenly over the tp ranks
+            fill = input_ids.new_full((input_ids.shape[0], pad), self.tokenizer.pad_token_id)
+            input_ids = torch.cat([input_ids, fill], dim=1)
+        logits = self.model(input_ids=input_ids.to(self.device), use_cache=False).logits
+        return logits[:, :T] if pad else logits
 
     # ------------------------------------------------------------------ training
     def train(
@@ -301,7 +309,9 @@ class DTensorPolicyWorker(Worker):
             gb = data.slice(gb_start, gb_start + local_gbs)
             local_toks = valid_token_mask(gb).sum()
             sample_mask = gb.get("sample_mask", torch.ones(gb.size))
-            counts = self._all_reduce(torch.stack([local_toks, sample_mask.float().sum()]))
+            counts = self._all_reduce(
+                torch.stack([local_toks, sample_mask.float().sum()]), group=self._dp_group
+            )
             global_toks, global_seqs = counts[0], counts[1]
             if not eval_mode:
                 self.optimizer.zero_grad(set_to_none=True)
@@ -323,14 +333,10 @@ class DTensorPolicyWorker(Worker):
                     mb_metrics.setdefault(k, []).append(v)
             grad_norm = torch.zeros(())
             if not eval_mode:
-                params = [p for p in self.model.parameters() if p.grad is not None]
-                max_norm = self.cfg.get("max_grad_norm")
-                norm = torch.nn.utils.clip_grad_norm_(
-                    params, max_norm if max_norm else float("inf"), foreach=True
-                )
-                grad_norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).cpu()
+                params = list(self.model.parameters())
+                grad_norm = clip_grad_norm(params, self.cfg.get("max_grad_norm"))
                 self.optimizer.step()
-            losses.append(self._all_reduce(gb_loss).cpu())
+            losses.append(self._all_reduce(gb_loss, group=self._dp_group).cpu())
             grad_norms.append(grad_norm)
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None
         if not eval_mode and self.scheduler is not None:
@@ -412,13 +418,21 @@ class DTensorPolicyWorker(Worker):
 
     @torch.no_grad()
     def _add_noise_to_weights(self, std: float = 0.01, seed: int = 0) -> None:
-        """Add Gaussian noise to every parameter shard (tests use it to tell weights apart)."""
-        gen = torch.Generator().manual_seed(seed * 1000 + self.rank)
+        """Add Gaussian noise to every parameter (tests use it to tell weights apart).
+
+        The noise of each full parameter is drawn from the same seed on every rank and each
+        rank adds its own shard of it, so replicas (e.g. over tp) stay equal.
+        """
+        from torch.distributed.tensor import distribute_tensor
+
+        gen = torch.Generator().manual_seed(seed)
         self._reshard()
         for p in self.model.parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * std
+            if isinstance(p, DTensor):
+                noise = distribute_tensor(noise, p.device_mesh, p.placements, src_data_rank=None)
             local = _local(p)
-            noise = torch.randn(local.shape, generator=gen, dtype=torch.float32) * std
-            local.add_(noise.to(local.device, local.dtype))
+            local.add_(_local(noise).to(local.device, local.dtype))
 
     def return_state_dict(self) -> dict[str, torch.Tensor]:
         """The full (gathered) model state dict on CPU; every rank must call it."""
@@ -789,21 +803,36 @@ def _check_config(config: Any) -> dict[str, Any]:
         v = config.get(key)
         if v is not None and (not isinstance(v, int) or v < 1):
             raise ValueError(f"config[{key!r}] must be a positive int, got {v!r}")
-    dcfg = config.get("dtensor_cfg") or {}
-    tp = int(dcfg.get("tensor_parallel_size", 1))
-    cp = int(dcfg.get("context_parallel_size", 1))
-    if tp != 1:
-        raise NotImplementedError(
-            f"dtensor_cfg.tensor_parallel_size={tp}: phalanx's policy worker shards with FSDP2 "
-            "over data-parallel ranks only; tensor parallelism is not implemented yet"
-        )
-    if cp != 1:
-        raise NotImplementedError(
-            f"dtensor_cfg.context_parallel_size={cp}: context parallelism needs the "
-            "flash/efficient SDPA kernels of CUDA and is not wired into training yet"
-        )
-    if dcfg.get("sequence_parallel"):
-        raise NotImplementedError(
-            "dtensor_cfg.sequence_parallel=True needs tensor parallelism, which is not implemented"
-        )
+    check_parallel_config(config)
     return dict(config)
+
+
+def check_parallel_config(config: dict[str, Any]) -> tuple[int, int]:
+    """Check ``dtensor_cfg``'s parallel sizes against the model; returns (tp, cp).
+
+    Runs on the driver (``Policy``) before any worker starts, and again in each worker.
+    """
+    dcfg = config.get("dtensor_cfg") or {}
+    sizes = []
+    for key in ("tensor_parallel_size", "context_parallel_size"):
+        v = dcfg.get(key, 1)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"dtensor_cfg.{key} must be a positive int, got {v!r}")
+        sizes.append(v)
+    tp, cp = sizes
+    if dcfg.get("sequence_parallel") and tp == 1:
+        raise ValueError(
+            "dtensor_cfg.sequence_parallel=True needs dtensor_cfg.tensor_parallel_size > 1 "
+            "(it shards the norms over the tensor-parallel ranks)"
+        )
+    if cp > 1 and not torch.cuda.is_available():
+        raise NotImplementedError(
+            f"dtensor_cfg.context_parallel_size={cp}: context parallelism needs CUDA (torch's "
+            "context_parallel runs ring attention on the flash/efficient SDPA kernels, which "
+            "exist only on GPU); use context_parallel_size=1 on CPU"
+        )
+    if tp > 1:
+        from transformers import AutoConfig
+
+        check_tp_size(AutoConfig.from_pretrained(config["model_name"]), tp)
+    return tp, cp

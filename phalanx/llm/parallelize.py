@@ -1,0 +1,199 @@
+"""Tensor, sequence and data parallelism of a Hugging Face decoder, as plain functions.
+
+torchtitan's recipe on a plain ``from_pretrained`` model: ``apply_tp`` first (DTensor
+``parallelize_module`` over the "tp" mesh), then ``apply_fsdp`` (FSDP2 ``fully_shard``
+per decoder layer and the root over the "dp" mesh). Every parameter ends up a DTensor on
+the same 2-D ("dp", "tp") mesh, so that gradient clipping, the optimizer and distributed
+checkpoints see one kind of tensor.
+
+Tensor parallelism shards attention q/k/v (columns, i.e. heads) and o (rows), and the MLP
+gate/up (columns) and down (rows) projections; the rest (embeddings, norms, lm_head) is
+replicated over the tp ranks. With ``sequence_parallel`` the norms and residual adds of
+each decoder layer run on a sequence shard: o and down reduce-scatter onto the sequence
+dimension instead of all-reducing, and the hidden state is all-gathered before attention,
+before the MLP and at the end of the layer (so the model code between layers sees whole
+sequences, which keeps HF's masks and rotary positions unchanged).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks: the ModuleList with num_hidden_layers entries."""
+    n = getattr(model.config, "num_hidden_layers", None)
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return list(module)
+    raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
+
+
+def check_tp_size(config: Any, tp: int) -> None:
+    """Raise naming the value when ``tp`` does not divide the model's head counts."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    inter = getattr(config, "intermediate_size", None)
+    for name, value in (
+        ("num_attention_heads", heads),
+        ("num_key_value_heads", kv),
+        ("intermediate_size", inter),
+    ):
+        if value is not None and value % tp:
+            raise ValueError(
+                f"dtensor_cfg.tensor_parallel_size={tp} does not divide the model's {name}={value}"
+            )
+
+
+class _Replicated(ParallelStyle):
+    """Parameters replicated over the tp mesh; plain tensors in and out of the module."""
+
+    def _apply(self, module: torch.nn.Module, device_mesh: DeviceMesh) -> torch.nn.Module:
+        def to_dtensor(_m: Any, inputs: tuple, mesh: DeviceMesh) -> tuple:
+            return tuple(
+                DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+                else x
+                for x in inputs
+            )
+
+        def to_local(_m: Any, out: Any, _mesh: DeviceMesh) -> Any:
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, None, to_dtensor, to_local)
+
+
+def _layer_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    attn, mlp = "self_attn", "mlp"
+    if not sequence_parallel:
+        return {
+            "input_layernorm": _Replicated(),
+            "post_attention_layernorm": _Replicated(),
+            f"{attn}.q_proj": ColwiseParallel(),
+            f"{attn}.k_proj": ColwiseParallel(),
+            f"{attn}.v_proj": ColwiseParallel(),
+            f"{attn}.o_proj": RowwiseParallel(),
+            f"{mlp}.gate_proj": ColwiseParallel(),
+            f"{mlp}.up_proj": ColwiseParallel(),
+            f"{mlp}.down_proj": RowwiseParallel(),
+        }
+    seq = Shard(1)
+    return {
+        # The layer's input (whole sequences) is split locally, without communication.
+        "": PrepareModuleInput(
+            input_layouts=(Replicate(),),
+            desired_input_layouts=(seq,),
+            use_local_output=True,
+        ),
+        "input_layernorm": SequenceParallel(),
+        attn: PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": seq},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=True,
+        ),
+        f"{attn}.q_proj": ColwiseParallel(),
+        f"{attn}.k_proj": ColwiseParallel(),
+        f"{attn}.v_proj": ColwiseParallel(),
+        f"{attn}.o_proj": RowwiseParallel(output_layouts=seq),
+        "post_attention_layernorm": SequenceParallel(),
+        mlp: PrepareModuleInput(
+            input_layouts=(seq,), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+        f"{mlp}.gate_proj": ColwiseParallel(),
+        f"{mlp}.up_proj": ColwiseParallel(),
+        f"{mlp}.down_proj": RowwiseParallel(output_layouts=seq),
+    }
+
+
+def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard ``model`` (a Llama-style HF decoder) over ``tp_mesh`` in place."""
+    check_tp_size(model.config, tp_mesh.size())
+    layer_plan = _layer_plan(sequence_parallel)
+    for layer in decoder_layers(model):
+        missing = [k for k in layer_plan if k and layer.get_submodule(k) is None]
+        if missing:  # pragma: no cover - get_submodule raises first
+            raise ValueError(f"tensor parallelism: decoder layer has no {missing}")
+        if sequence_parallel:
+            # The layer's output goes back to whole sequences for the model code.
+            parallelize_module(layer, tp_mesh, {k: v for k, v in layer_plan.items() if k})
+            parallelize_module(layer, tp_mesh, layer_plan[""])
+            parallelize_module(
+                layer,
+                tp_mesh,
+                PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate()),
+            )
+        else:
+            parallelize_module(layer, tp_mesh, layer_plan)
+    # Everything outside the decoder layers is replicated over tp (tied weights kept tied).
+    tied = _tied_output_embedding(model)
+    layer_ids = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
+    for module in list(model.modules()):
+        own = [p for p in module.parameters(recurse=False) if id(p) not in layer_ids]
+        if own and not any(isinstance(p, DTensor) for p in own):
+            parallelize_module(module, tp_mesh, _Replicated())
+    if tied is not None:
+        out, emb = tied
+        out.weight = emb.weight
+
+
+def _tied_output_embedding(model: torch.nn.Module) -> tuple[Any, Any] | None:
+    out, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if out is not None and emb is not None and out.weight is emb.weight:
+        return out, emb
+    return None
+
+
+def apply_fsdp(
+    model: torch.nn.Module, dp_mesh: DeviceMesh, mp_policy: Any, offload_policy: Any = None
+) -> None:
+    """FSDP2: ``fully_shard`` every decoder layer, then the root, over ``dp_mesh``."""
+    from torch.distributed.fsdp import fully_shard
+
+    kw: dict[str, Any] = {"mesh": dp_mesh, "mp_policy": mp_policy}
+    if offload_policy is not None:
+        kw["offload_policy"] = offload_policy
+    for layer in decoder_layers(model):
+        fully_shard(layer, **kw)
+    # The root too frees its gathered weights after forward, so that state_dict() always
+    # exposes the sharded parameters that in-place swaps (reference, refit) write to.
+    fully_shard(model, reshard_after_forward=True, **kw)
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    """Total gradient norm over all ranks (clipped to ``max_norm`` when given), on CPU.
+
+    Gradients are grouped by device mesh so that DTensors of different meshes (or plain
+    tensors) never meet in one foreach kernel.
+    """
+    from torch.nn.utils import get_total_norm
+
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(mesh, []).append(p)
+    norms = []
+    for group in groups.values():
+        n = get_total_norm([p.grad for p in group], foreach=True)
+        norms.append(n.full_tensor() if isinstance(n, DTensor) else n)
+    if not norms:
+        return torch.zeros(())
+    total = torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms]))
+    coef = float(max_norm) / (float(total) + 1e-6) if max_norm else 1.0
+    if coef < 1.0:
+        for group in groups.values():
+            torch._foreach_mul_([p.grad for p in group], coef)
+    return total
