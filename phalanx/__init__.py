@@ -6,9 +6,7 @@ use, so a worker process that does not touch them starts quickly.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from ._lazy import lazy_exports
 from .address import WorkerAddress
 from .builder import RayWorkerBuilder
 from .cluster import Cluster, NodeInfo
@@ -61,12 +59,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'phalanx' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [

@@ -5,9 +5,7 @@ Imports nothing heavy at package import; torch is loaded where tensors are handl
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from .._lazy import lazy_exports
 from .config import CommConfig, configure
 from .errors import CommError, PeerDiedError, PeerNotFoundError
 from .mixin import CommMixin
@@ -30,12 +28,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'phalanx.comm' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [

@@ -376,29 +376,16 @@ class EnvRunnerGroup:
         local_worker: bool | None = None,
     ) -> list[Any]:
         """``func(worker_id, runner)`` on each runner (the local runner's id is 0)."""
-        if local_worker is not None:
-            local_env_runner = local_worker
-        out: list[Any] = []
-        if local_env_runner and self._local is not None and not return_obj_refs:
-            f = getattr(self._local, func) if isinstance(func, str) else func
-            out.append(
-                f(0, **(kwargs or {}))
-                if isinstance(func, str)
-                else f(0, self._local, **(kwargs or {}))
-            )
-        if self._group is not None:
-            out.extend(
-                self._group.foreach_worker(
-                    _with_worker_id,
-                    kwargs={"func": func, "kwargs": kwargs or {}},
-                    healthy_only=healthy_only,
-                    remote_worker_ids=self._ranks(remote_worker_ids),
-                    timeout_seconds=timeout_seconds,
-                    return_obj_refs=return_obj_refs,
-                    mark_healthy=mark_healthy,
-                )
-            )
-        return out
+        return self.foreach_worker(
+            _with_worker_id,
+            kwargs={"func": func, "kwargs": kwargs or {}},
+            local_env_runner=local_env_runner if local_worker is None else local_worker,
+            healthy_only=healthy_only,
+            remote_worker_ids=remote_worker_ids,
+            timeout_seconds=timeout_seconds,
+            return_obj_refs=return_obj_refs,
+            mark_healthy=mark_healthy,
+        )
 
     def foreach_worker_async(
         self,
