@@ -68,8 +68,16 @@ class _Pending:
 class WeightSender:
     """Sends a model's weights to the workers of a group.
 
-    ``WeightSender(group, model=None, *, transport="object_store" | "collective" | "shm",
-    bucket_size_mb=256, dtype=None, name_map=None)``. ``dtype`` casts floating-point
+    ``WeightSender(group, model=None, *, transport="auto" | "object_store" | "shm" |
+    "collective", bucket_size_mb=256, dtype=None, name_map=None)``.
+
+    ``transport="auto"`` (the default) picks per receiver by one rule: on the sender's
+    node, CPU weights go through shared memory (``shm``) and CUDA weights through CUDA
+    IPC when the receiver holds the same GPU; every other receiver gets the object store.
+    Same-node shared memory is preferred because its segment is reused from send to
+    send, while every object-store put writes a new object (see ``object_store.py``).
+    ``"shm"`` is the same rule without the GPU check; ``"object_store"`` and
+    ``"collective"`` force one transport for everyone. ``dtype`` casts floating-point
     tensors on the way (e.g. fp32 master weights to bf16 receivers); ``name_map`` (a
     callable or dict; None drops a tensor) renames trainer names to receiver names.
     Neither materialises a second full copy on the sender.
@@ -80,7 +88,7 @@ class WeightSender:
         group: WorkerGroup,
         model: torch.nn.Module | None = None,
         *,
-        transport: str = "object_store",
+        transport: str = "auto",
         bucket_size_mb: float = 256,
         dtype: torch.dtype | None = None,
         name_map: Any = None,
@@ -118,6 +126,8 @@ class WeightSender:
         self._store: Any = None
         self._pgs: dict[tuple, tuple[str, Any]] = {}
         self._last: tuple[int, Any, Any] | None = None  # (version, source, object-store payload)
+        self._last_os: tuple[int, Layout, Any] | None = None  # the latest object-store payload
+        self._os_buffer: torch.Tensor | None = None  # object-store packing buffer, reused
         # Start above whatever the workers already hold (e.g. from an earlier sender).
         self._version = max(self._query_versions(group.actors), default=0)
         group._weights_restore = self._restore
@@ -236,33 +246,50 @@ class WeightSender:
             "apply", kind, version, layout, payload, self.apply_timeout_s
         )
 
-    def _pack(self, p: _Pending) -> dict[int, tuple[str, Any]]:
-        """Per rank: (receiver transport, payload)."""
-        remote: list[int] = p.ranks
-        out: dict[int, tuple[str, Any]] = {}
-        if self.transport == "shm":
-            here = ray.get_runtime_context().get_node_id()
-            meta = self.group.worker_metadata
-            local = [r for r in p.ranks if meta[r].get("ray_node_id") == here]
-            remote = [r for r in p.ranks if r not in local]
-            if local:
-                on_gpu = any(s.device.type == "cuda" for s in p.sources)
-                if on_gpu:
-                    from .transports import cuda_ipc
+    def _route(self, ranks: list[int], sources: list[torch.Tensor]) -> dict[int, str]:
+        """Per rank, the transport its payload takes (the ``transport="auto"`` rule)."""
+        if self.transport == "object_store":
+            return dict.fromkeys(ranks, "object_store")
+        meta = self.group.worker_metadata
+        here = ray.get_runtime_context().get_node_id()
+        cuda = next((s.device for s in sources if s.device.type == "cuda"), None)
+        gpu = _physical_gpu(cuda) if cuda is not None and self.transport == "auto" else None
+        route = {}
+        for r in ranks:
+            local = meta[r].get("ray_node_id") == here
+            if not local:
+                route[r] = "object_store"
+            elif cuda is None:
+                route[r] = "shm"
+            elif self.transport == "shm" or gpu in {str(g) for g in meta[r].get("gpu_ids") or ()}:
+                route[r] = "cuda_ipc"
+            else:
+                route[r] = "object_store"
+        return route
 
-                    flat = cuda_ipc.pack_to_cuda(p.layout, p.sources, p.sources[0].device)
-                    p.keep = flat
-                    payload = ("cuda_ipc", cuda_ipc.ipc_handle(flat))
-                else:
-                    self._segment = _shm.pack_to_shm(p.layout, p.sources, self._segment)
-                    payload = ("shm", {"name": self._segment.name})
-                out.update({r: payload for r in local})
-        if remote:
-            payload = _os.put(p.layout, p.sources, self.bucket_bytes)
-            p.keep = (p.keep, payload)
-            self._last_os = (p.version, p.layout, payload)
-            out.update({r: ("object_store", payload) for r in remote})
-        return out
+    def _pack(self, p: _Pending) -> dict[int, tuple[str, Any]]:
+        """Per rank: (receiver transport, payload); each transport packs once."""
+        route = self._route(p.ranks, p.sources)
+        kinds = set(route.values())
+        payloads: dict[str, Any] = {}
+        if "cuda_ipc" in kinds:
+            from .transports import cuda_ipc
+
+            flat = cuda_ipc.pack_to_cuda(p.layout, p.sources, p.sources[0].device)
+            p.keep = flat
+            payloads["cuda_ipc"] = cuda_ipc.ipc_handle(flat)
+        if "shm" in kinds:
+            self._segment = _shm.pack_to_shm(p.layout, p.sources, self._segment)
+            payloads["shm"] = {"name": self._segment.name}
+        if "object_store" in kinds:
+            payloads["object_store"] = self._put(p.layout, p.sources)
+            p.keep = (p.keep, payloads["object_store"])
+        return {r: (kind, payloads[kind]) for r, kind in route.items()}
+
+    def _put(self, layout: Layout, sources: list[torch.Tensor]) -> dict[str, Any]:
+        payload, self._os_buffer = _os.put(layout, sources, self.bucket_bytes, self._os_buffer)
+        self._last_os = (self._version, layout, payload)
+        return payload
 
     # -- collective ---------------------------------------------------------------------
     def _alive(self, ranks: list[int]) -> tuple[list[int], dict[int, str]]:
@@ -368,7 +395,7 @@ class WeightSender:
             for r in alive:
                 result.failed.pop(r, None)
             if alive:
-                payload = _os.put(p.layout, p.sources, self.bucket_bytes)
+                payload = self._put(p.layout, p.sources)
                 refs = {
                     r: self._apply_remote(r, "object_store", p.version, p.layout, payload)
                     for r in alive
@@ -447,13 +474,12 @@ class WeightSender:
         if self._pending is not None:
             self.wait_async()
         version, source, _ = self._last
-        last_os = getattr(self, "_last_os", None)
+        last_os = self._last_os
         if last_os is not None and last_os[0] == version:
             _, layout, payload = last_os
         else:
             layout, sources = gather(self._named(source), name_map=self.name_map, dtype=self.dtype)
-            payload = _os.put(layout, sources, self.bucket_bytes)
-            self._last_os = (version, layout, payload)
+            payload = self._put(layout, sources)
         ranks = self._ranks(list(ranks))
         refs = {r: self._apply_remote(r, "object_store", version, layout, payload) for r in ranks}
         result = SyncResult(version, transport="object_store")
@@ -471,6 +497,7 @@ class WeightSender:
             state["_segment"] = None
         state["_pgs"] = {}
         state["_last_os"] = None
+        state["_os_buffer"] = None
 
 
 class RayModuleTransformSender(WeightSender):
@@ -503,3 +530,14 @@ class RayModuleTransformSender(WeightSender):
 
 def _is_mapping(x: Any) -> bool:
     return isinstance(x, Mapping)
+
+
+def _physical_gpu(device: torch.device) -> str:
+    """The node-level id of a CUDA device (``CUDA_VISIBLE_DEVICES`` maps local indices)."""
+    import os
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        return visible.split(",")[index].strip()
+    return str(index)

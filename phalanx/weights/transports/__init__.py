@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from ..layout import Layout
 
-TRANSPORTS = ("object_store", "collective", "shm")
+TRANSPORTS = ("auto", "object_store", "shm", "collective")
 
 
 def receive(
