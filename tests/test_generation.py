@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -136,3 +138,47 @@ def test_refit_makes_generator_match_policy(setup, model_path, tokenizer, transp
 
 def _noise(worker, std, seed):
     worker._add_noise_to_weights(std, seed)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_dead_generator_is_restarted_and_refitted_before_generating(
+    cluster, setup, model_path, tokenizer, transport
+):
+    import ray
+
+    policy, _ = setup
+    gen = HFGenerationWorker.create_group(_gen_cfg(model_path), tokenizer).launch(
+        cluster,
+        px.NodePlacement(num_workers=2),
+        name=f"gen_ft_{transport}",
+        restart_policy=px.RestartPolicy(),
+    )
+    try:
+        refitter = Refitter(policy, gen, transport)
+        seed = 11 + TRANSPORTS.index(transport)
+        g = policy.worker_group
+        g._collect(g._call("noise", [(r, (0.05, seed), {}) for r in (0, 1)], fn=_noise), 60)
+        refitter.refit()
+        data = _prompts(tokenizer, n=6, seed=seed)
+        expected = _local_greedy(model_path, policy.state_dict(), tokenizer, data, max_new=6)
+
+        ray.kill(gen.actors[0], no_restart=True)
+        deadline = time.monotonic() + 30
+        while gen.health()[0] == px.WorkerHealth.HEALTHY and time.monotonic() < deadline:
+            time.sleep(0.01)  # the group's monitor sees the death within milliseconds
+        assert gen.health()[0] != px.WorkerHealth.HEALTHY
+        # The next call waits for the restart, which refits rank 0 before it is called.
+        outs = gen.generate(data, greedy=True).wait(120)
+        assert gen.num_remote_worker_restarts() == 1
+        for out in outs:
+            assert torch.equal(out["output_ids"], expected["output_ids"]), transport
+        assert gen.execute_on(0).is_alive().wait(30) == [True]
+
+        # Later refits reach the restarted worker too (collective: the group is rebuilt).
+        g._collect(g._call("noise", [(r, (0.05, seed + 50), {}) for r in (0, 1)], fn=_noise), 60)
+        refitter.refit()
+        expected = _local_greedy(model_path, policy.state_dict(), tokenizer, data, max_new=6)
+        for out in gen.generate(data, greedy=True).wait(60):
+            assert torch.equal(out["output_ids"], expected["output_ids"]), transport
+    finally:
+        gen.shutdown()

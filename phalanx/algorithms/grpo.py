@@ -134,10 +134,15 @@ def answer_probability(policy, tokenizer, pairs) -> float:
 def _generate(gen_group, data, timeout: float = 300.0):
     """Split a prompt batch over the generation workers and put the outputs back in order."""
     from ..data import BatchedDataDict
+    from ..errors import WorkerDiedError
 
     shards = data.shard_by_batch_size(gen_group.world_size, allow_uneven_shards=True)
-    handle = gen_group._call("generate", [(r, (s,), {}) for r, s in enumerate(shards)])
-    outs = handle.wait(timeout=timeout)
+    calls = [(r, (s,), {}) for r, s in enumerate(shards)]
+    try:
+        outs = gen_group._call("generate", calls).wait(timeout=timeout)
+    except WorkerDiedError:
+        # A worker died mid-call: its group restarts and refits it before this retry.
+        outs = gen_group._call("generate", calls).wait(timeout=timeout)
     return BatchedDataDict.from_batches(outs, pad_value_dict={"output_ids": 0})
 
 
@@ -279,6 +284,8 @@ def train(cfg: GRPOConfig, cluster: Any = None) -> dict[str, Any]:
         cluster,
         px.NodePlacement(num_workers=cfg.num_generation_workers),
         name=f"grpo_generation_{os.getpid()}",
+        # A dead generation worker is restarted, and refitted (Refitter) before it is called.
+        restart_policy=px.RestartPolicy(),
     )
     refitter = Refitter(policy, generation, cfg.refit_transport)
     metrics = _Metrics(cfg.run_dir)

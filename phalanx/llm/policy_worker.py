@@ -181,6 +181,9 @@ class DTensorPolicyWorker(Worker):
         self._held_refit: dict[str, torch.Tensor] | None = None
         self._ipc_buffers: list[torch.Tensor] = []
         self._shm_segment: Any = None
+        self._refit_segment: Any = None
+        self._refit_layout: tuple[Any, Any] | None = None
+        self._one_node: bool | None = None
         self._profiler: Any = None
         self._peak_rss = 0
         self.model_update_group: Any = None
@@ -503,6 +506,58 @@ class DTensorPolicyWorker(Worker):
             handle = {"kind": "shm", "layout": layout, "name": self._shm_segment.name}
         return {self.report_device_id(): handle}
 
+    def pack_weights_for_ipc(self) -> dict[str, Any] | None:
+        """``prepare_weights_for_ipc`` + ``get_weights_ipc_handles`` in one call, cheaper.
+
+        Every rank must call it; rank 0 returns the handles. On CPU, when all policy ranks
+        share a node, each rank copies its own rows of every parameter into one
+        shared-memory segment (kept across refits; no gather, no collective after the
+        first call), so the cost is one parallel copy of the weights. Otherwise the full
+        weights are gathered and packed by rank 0, as the two seed methods do.
+        """
+        if self.device.type == "cuda" or not self._policy_on_one_node():
+            info, _ = self.prepare_weights_for_ipc()
+            return self.get_weights_ipc_handles([k for k, _ in info]) if self.rank == 0 else None
+        from .shard_pack import stream_layout, write_shards
+
+        self._reshard()
+        state = self.model.state_dict()
+        key = tuple((k, tuple(v.shape), v.dtype) for k, v in state.items())
+        if self._refit_layout is None or self._refit_layout[0] != key:
+            self._refit_layout = (key, stream_layout(state, self.dtype))
+        layout = self._refit_layout[1]
+        segment = self._shared_segment(layout.total_bytes)
+        write_shards(segment.tensor, layout, state, self.rank == 0)
+        if self.rank != 0:
+            return None
+        return {self.report_device_id(): {"kind": "shm", "layout": layout, "name": segment.name}}
+
+    def _policy_on_one_node(self) -> bool:
+        if self._one_node is None:
+            hosts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(hosts, socket.gethostname())
+            self._one_node = len(set(hosts)) == 1
+        return self._one_node
+
+    def _shared_segment(self, nbytes: int) -> Any:
+        """The refit segment every policy rank maps (rank 0 creates it, once per size)."""
+        from ..weights import ShmSegment
+
+        seg = self._refit_segment
+        if seg is not None and seg.size >= nbytes:
+            return seg  # every rank decides alike: all saw the same sizes
+        name: list[Any] = [None]
+        if self.rank == 0:
+            if seg is not None:
+                seg.unlink()
+            seg = ShmSegment(nbytes)
+            name = [seg.name]
+        dist.broadcast_object_list(name, src=0)
+        if self.rank != 0:
+            seg = ShmSegment(nbytes, name=name[0], create=False)
+        self._refit_segment = seg
+        return seg
+
     def prepare_info_for_collective(self) -> dict[str, Any]:
         """The stream layout and bucket size a collective refit uses (every rank calls)."""
         from ..weights import gather
@@ -780,9 +835,10 @@ class DTensorPolicyWorker(Worker):
             self._profiler.stop()
             self._profiler = None
         self._held_refit = None
-        if self._shm_segment is not None:
-            self._shm_segment.unlink()
-            self._shm_segment = None
+        for seg in (self._shm_segment, self._refit_segment):
+            if seg is not None and self.rank == 0:
+                seg.unlink()
+        self._shm_segment = self._refit_segment = None
         if dist.is_initialized():
             dist.destroy_process_group()
         return True

@@ -2,14 +2,22 @@
 
 Four transports, all on the weight-sync layer (``phalanx.weights``):
 
-- ``"ipc"``: policy ranks gather the full weights; rank 0 packs them into a same-node
-  shared-memory segment (CPU) or a CUDA buffer (GPU) and hands out its handle; the
-  generation workers map it and copy in. Same node only.
+- ``"ipc"``: on CPU every policy rank copies its own rows of the weights into one
+  same-node shared-memory segment (``DTensorPolicyWorker.pack_weights_for_ipc``); on GPU
+  rank 0 packs the gathered weights into a CUDA buffer. The generation workers map the
+  handle and copy in. Same node only. Two calls in all: policy, then generators.
 - ``"collective"``: policy rank 0 and the generation workers form one process group
   (gloo on CPU, NCCL on GPU); rank 0 broadcasts the weights in buckets.
 - ``"object_store"`` / ``"shm"``: the gathered state dict goes through a
-  ``WeightSender`` on the generation group (which also re-sends it to a restarted
-  generation worker, through the group's fault-tolerance policy).
+  ``WeightSender`` on the generation group.
+
+A generation worker that dies is restarted by its group's fault-tolerance policy
+(``launch(..., restart_policy=px.RestartPolicy())``), which refits it before any call
+reaches it (the group's weights-restore hook): ``"ipc"`` re-sends the last handle (the
+policy keeps the segment until the next refit), ``"collective"`` copies the weights from
+a healthy peer generation worker and rebuilds the broadcast group at the next refit,
+and the ``WeightSender`` of the other two re-sends its last version. The policy is not
+called, so a restart never interleaves with the policy's own collectives.
 """
 
 from __future__ import annotations
@@ -41,7 +49,10 @@ class Refitter:
         self.timeout_s = timeout_s
         self._info: dict[str, Any] | None = None
         self._sender: Any = None
+        self._handles: dict[str, Any] | None = None
         self.refits = 0
+        if transport in ("ipc", "collective"):  # the WeightSender registers its own
+            generation._weights_restore = self._restore
 
     def _setup_collective(self) -> None:
         pg, gen = self.policy.worker_group, self.generation
@@ -59,11 +70,8 @@ class Refitter:
         """Copy the policy's current weights into every generation worker."""
         pg, gen, t = self.policy.worker_group, self.generation, self.timeout_s
         if self.transport == "ipc":
-            infos = pg.call("prepare_weights_for_ipc").wait(timeout=t)
-            keys = [name for name, _ in infos[0][0]]
-            handles = pg.execute_on(0).get_weights_ipc_handles(keys).wait(timeout=t)[0]
-            gen.call("update_weights_from_ipc_handles", handles).wait(timeout=t)
-            pg.call("offload_after_refit").wait(timeout=t)
+            self._handles = pg.call("pack_weights_for_ipc").wait(timeout=t)[0]
+            gen.call("update_weights_from_ipc_handles", self._handles).wait(timeout=t)
         elif self.transport == "collective":
             if self._info is None:
                 self._setup_collective()
@@ -80,3 +88,21 @@ class Refitter:
             if not result.ok:
                 raise RuntimeError(f"refit through {self.transport} failed: {result}")
         self.refits += 1
+
+    def _restore(self, ranks: list[int]) -> None:
+        """Refit restarted generation ranks (run by the fault layer before they are called)."""
+        gen, t = self.generation, self.timeout_s
+        if self.refits == 0:
+            return  # they loaded the same from_pretrained weights the policy started from
+        if self.transport == "ipc":
+            gen.execute_on(*ranks).update_weights_from_ipc_handles(self._handles).wait(timeout=t)
+            return
+        self._info = None  # the broadcast group lost a member: rebuilt at the next refit
+        peers = [r for r in gen.healthy_worker_ids() if r not in ranks]
+        if not peers:
+            raise RuntimeError(
+                f"refit restore of generation ranks {ranks}: no healthy generation worker "
+                "holds the current weights to copy from (collective transport)"
+            )
+        state = gen.execute_on(peers[0]).get_state_dict().wait(timeout=t)[0]
+        gen.execute_on(*ranks).update_weights(state).wait(timeout=t)
