@@ -174,6 +174,17 @@ def pack_range(
             out.copy_(flat[e0:e1])
 
 
+def unpack_range(
+    src: torch.Tensor, layout: Layout, targets: list[torch.Tensor], start: int, end: int
+) -> None:
+    """Copy stream bytes ``[start, end)`` from the uint8 tensor ``src`` into ``targets``
+    (contiguous, one per spec, of the spec's dtype): the inverse of ``pack_range``."""
+    for spec, dst in zip(layout.specs, targets):
+        lo, hi = max(start, spec.offset), min(end, spec.offset + spec.nbytes)
+        if lo < hi:
+            as_bytes(dst)[lo - spec.offset : hi - spec.offset].copy_(src[lo - start : hi - start])
+
+
 def iter_bucket_ranges(layout: Layout, bucket_bytes: int) -> Iterator[tuple[int, int]]:
     yield from layout.buckets(bucket_bytes)
 

@@ -29,6 +29,7 @@ class WeightsReceiverMixin:
     """Receiver side of weight sync, part of every ``px.Worker``."""
 
     _px_weights_version: int = 0
+    _px_weights_torn: int = 0  # a version whose in-place transfer broke midway (0: none)
 
     @property
     def weights_version(self) -> int:
@@ -108,10 +109,15 @@ def copy_into(
     with torch.no_grad():
         for spec in layout.specs:
             targets[spec.name].copy_(sources[spec.name])
-        for alias, canon in layout.aliases.items():
-            dst = targets[alias]
-            if dst.data_ptr() != targets[canon].data_ptr():
-                dst.copy_(sources[canon])
+        copy_aliases(targets, layout)
+
+
+def copy_aliases(targets: dict[str, torch.Tensor], layout: Layout) -> None:
+    """Tied names whose receiver tensor is not shared with their canonical one get a copy."""
+    for alias, canon in layout.aliases.items():
+        dst = targets[alias]
+        if dst.data_ptr() != targets[canon].data_ptr():
+            dst.copy_(targets[canon])
 
 
 def apply_weights(
@@ -138,6 +144,7 @@ def apply_weights(
         copy_into(targets, layout, sources)
         if version is not None:
             obj._px_weights_version = version
+            obj._px_weights_torn = 0
     return True
 
 
@@ -181,6 +188,18 @@ def _receive_and_apply(
     timers = host._timers
     stale = version <= getattr(obj, "_px_weights_version", 0)
     t0 = time.perf_counter()
+    if transport == "collective" and not stale:
+        from .transports.collective import apply_in_place
+
+        with timers.span("weights/transfer"):
+            status = apply_in_place(host, version, layout, payload, model_lock(host))
+        if status is not None:  # received and applied in one pass
+            return {
+                "status": status,
+                "version": obj._px_weights_version,
+                "transfer": time.perf_counter() - t0,
+                "apply": 0.0,
+            }
     with timers.span("weights/transfer"):
         # A stale version still takes part in a collective (others depend on it).
         sources, release = receive(host, transport, layout, payload, skip=stale)

@@ -23,7 +23,16 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from ..group import WorkerGroup
 from ..timing import TimerRecorder
-from .layout import Layout, check_dtype, check_name_map, check_sizes, gather, to_named_tensors
+from .layout import (
+    Layout,
+    check_dtype,
+    check_name_map,
+    check_sizes,
+    gather,
+    pack_range,
+    to_named_tensors,
+    views,
+)
 from .receiver import WeightMismatchError
 from .transports import TRANSPORTS
 from .transports import collective as _coll
@@ -128,6 +137,8 @@ class WeightSender:
         self._last: tuple[int, Any, Any] | None = None  # (version, source, object-store payload)
         self._last_os: tuple[int, Layout, Any] | None = None  # the latest object-store payload
         self._os_buffer: torch.Tensor | None = None  # object-store packing buffer, reused
+        self._coll_buffers: list[torch.Tensor] = []  # collective double buffer, reused
+        self._coll_snapshot: torch.Tensor | None = None  # send_async snapshot, reused
         # Start above whatever the workers already hold (e.g. from an earlier sender).
         self._version = max(self._query_versions(group.actors), default=0)
         group._weights_restore = self._restore
@@ -349,18 +360,21 @@ class WeightSender:
         for r in alive:
             p.refs[r] = self._apply_remote(r, "collective", p.version, p.layout, payload)
         if snapshot:
+            # The sender keeps training: copy once into a snapshot kept between sends,
+            # then broadcast from it in a thread (large tensors straight from its views).
             t1 = time.perf_counter()
             with self.timers.span("weights/pack"):
-                flat = torch.empty(p.layout.total_bytes, dtype=torch.uint8, device=device)
-                from .layout import pack_range
-
+                flat = self._snapshot_buffer(p.layout.total_bytes, device)
                 pack_range(flat, p.layout, p.sources, 0, p.layout.total_bytes)
             p.timings["pack"] = time.perf_counter() - t1
+            p.sources = list(views(flat, p.layout).values())
             p.keep = flat
 
             def run() -> None:
                 try:
-                    _coll.broadcast_packed(pg, flat, self.bucket_bytes)
+                    _coll.broadcast_stream(
+                        pg, p.layout, p.sources, self.bucket_bytes, device, self._coll_buffers
+                    )
                 except BaseException as e:  # noqa: BLE001 - reported by wait_async
                     p.thread_error.append(e)
 
@@ -370,16 +384,28 @@ class WeightSender:
             t1 = time.perf_counter()
             try:
                 with self.timers.span("weights/pack"):  # pack and broadcast overlap
-                    _coll.broadcast_stream(pg, p.layout, p.sources, self.bucket_bytes, device)
+                    _coll.broadcast_stream(
+                        pg, p.layout, p.sources, self.bucket_bytes, device, self._coll_buffers
+                    )
             except Exception as e:  # noqa: BLE001 - a receiver died; handled in _finish
                 p.thread_error.append(e)
             p.timings["broadcast"] = time.perf_counter() - t1
+
+    def _snapshot_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A uint8 buffer of ``nbytes`` for ``send_async`` snapshots, reused between sends
+        (a fresh one costs page faults comparable to the copy itself)."""
+        buf = self._coll_snapshot
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = self._coll_snapshot = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf[:nbytes]
 
     # -- completion ---------------------------------------------------------------------
     def _finish(self, p: _Pending) -> SyncResult:
         deadline = p.t0 + self.timeout_s
         if p.thread is not None:
             p.thread.join(max(0.0, deadline - time.perf_counter()))
+            if p.thread.is_alive():  # a stuck broadcast still holds these: use new ones
+                self._coll_buffers, self._coll_snapshot = [], None
         result = SyncResult(p.version, transport=p.transport)
         result.failed.update(p.timings.pop("_dead", {}) or {})  # type: ignore[arg-type]
         mismatches: dict[int, BaseException] = {}
@@ -498,6 +524,8 @@ class WeightSender:
         state["_pgs"] = {}
         state["_last_os"] = None
         state["_os_buffer"] = None
+        state["_coll_buffers"] = []
+        state["_coll_snapshot"] = None
 
 
 class RayModuleTransformSender(WeightSender):

@@ -2,11 +2,24 @@
 
 The sender is rank 0 of a process group made for exactly the receivers it targets,
 independent of any default ``torch.distributed`` group the workers use themselves (a
-worker training with FSDP keeps its own). Buckets are fixed-size byte ranges of the
-stream; the sender packs bucket k+1 into one buffer while bucket k is still being sent
-from the other, and receivers fill a staging buffer that is applied whole, so a version
-is never half applied. Process groups are cached per target set and rebuilt when a
-worker was restarted.
+worker training with FSDP keeps its own). Process groups are cached per target set and
+rebuilt when a worker was restarted.
+
+Both sides cut the stream by the same plan (``plan``): a tensor of at least
+``min(bucket, 1 MiB)`` goes as its own segments (bucket-sized slices of its bytes),
+broadcast straight from the sender's tensor into the receiver's parameter; smaller
+tensors are packed together into buckets of at most ``bucket`` bytes, double-buffered
+on both sides so packing (or unpacking) one overlaps the transfer of the next.
+
+Atomicity: a receiver that is idle takes its model's write lock *before* the first byte
+arrives and receives in place; no method call runs until the whole version is in, and
+``weights_version`` moves only after the last byte. If the transfer breaks midway (a peer
+died, a timeout), the version is not claimed, the worker records ``_px_weights_torn``
+(the version it was receiving) and the sender re-sends that whole version to every
+survivor through the object store, which clears it. A receiver busy in a method call
+cannot take the lock without stalling everyone, so it receives into a staging buffer
+(kept between versions) and applies that whole once the call ends; so do receivers that
+ignore the version or whose module does not match (their call then fails, unchanged).
 """
 
 from __future__ import annotations
@@ -19,7 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..layout import Layout, as_bytes, pack_range, views
+from ..layout import Layout, as_bytes, pack_range, unpack_range, views
+
+_DIRECT_MIN = 1 << 20
 
 
 def new_process_group(
@@ -45,56 +60,121 @@ def broadcast(pg: Any, tensor: torch.Tensor, root: int = 0) -> Any:
     return pg.broadcast([tensor], opts)
 
 
+def plan(layout: Layout, bucket_bytes: int) -> list[tuple[int, int, int]]:
+    """The segments ``(start, end, spec index or -1 for a packed bucket)`` of the stream."""
+    direct_min = min(bucket_bytes, _DIRECT_MIN)
+    segs: list[tuple[int, int, int]] = []
+    open_at: int | None = None  # start of the packed bucket being filled
+    last_end = 0
+    for i, spec in enumerate(layout.specs):
+        end = spec.offset + spec.nbytes
+        if spec.nbytes >= direct_min:
+            if open_at is not None:
+                segs.append((open_at, last_end, -1))
+                open_at = None
+            segs.extend(
+                (s, min(s + bucket_bytes, end), i) for s in range(spec.offset, end, bucket_bytes)
+            )
+            continue
+        if open_at is not None and end - open_at > bucket_bytes:
+            segs.append((open_at, last_end, -1))
+            open_at = None
+        if open_at is None:
+            open_at = spec.offset
+        last_end = end
+    if open_at is not None:
+        segs.append((open_at, last_end, -1))
+    return [seg for seg in segs if seg[1] > seg[0]]
+
+
+def _buffer(cache: list[torch.Tensor], i: int, size: int, device: Any) -> torch.Tensor:
+    """Reusable buffer ``i`` of at least ``size`` bytes (kept in ``cache`` between sends)."""
+    while len(cache) <= i:
+        cache.append(torch.empty(0, dtype=torch.uint8, device=device))
+    if cache[i].numel() < size or cache[i].device != torch.device(device):
+        cache[i] = torch.empty(size, dtype=torch.uint8, device=device)
+    return cache[i]
+
+
+class _DoubleBuffer:
+    """Two rotating buffers: a slot is reused only after its transfer and ``done`` ran."""
+
+    def __init__(self, cache: list[torch.Tensor], size: int, device: Any):
+        self.bufs = [_buffer(cache, i, size, device) for i in range(2)]
+        self.slots: list[tuple[Any, int, int] | None] = [None, None]
+        self.k = 0
+
+    def next(self, done: Callable[[torch.Tensor, int, int], None]) -> tuple[int, torch.Tensor]:
+        i = self.k % 2
+        self.k += 1
+        self._finish(i, done)
+        return i, self.bufs[i]
+
+    def _finish(self, i: int, done: Callable[[torch.Tensor, int, int], None]) -> None:
+        slot = self.slots[i]
+        if slot is not None:
+            work, s, e = slot
+            work.wait()
+            done(self.bufs[i][: e - s], s, e)
+            self.slots[i] = None
+
+    def drain(self, done: Callable[[torch.Tensor, int, int], None]) -> None:
+        for i in (self.k % 2, (self.k + 1) % 2):  # oldest first
+            self._finish(i, done)
+
+
+def _no_op(buf: torch.Tensor, start: int, end: int) -> None:
+    return None
+
+
 def broadcast_stream(
     pg: Any,
     layout: Layout,
     sources: list[torch.Tensor],
     bucket_bytes: int,
     device: torch.device | str = "cpu",
+    buffers: list[torch.Tensor] | None = None,
 ) -> None:
-    """Sender side: pack and broadcast the stream bucket by bucket, double-buffered."""
-    ranges = layout.buckets(bucket_bytes)
-    if not ranges:
+    """Sender side: broadcast the stream by ``plan``; large tensors straight from their
+    storage, the rest packed into two rotating buffers (``buffers`` keeps them)."""
+    segs = plan(layout, bucket_bytes)
+    if not segs:
         return
-    size = max(e - s for s, e in ranges)
-    bufs = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(min(2, len(ranges)))]
-    works: list[Any] = [None] * len(bufs)
-    direct: list[Any] = []
-    for k, (s, e) in enumerate(ranges):
-        view = _direct_view(layout, sources, s, e, device)
-        if view is not None:  # the bucket is one tensor's own bytes: no packing
-            direct.append(broadcast(pg, view))
+    cache = buffers if buffers is not None else []
+    dbuf: _DoubleBuffer | None = None
+    works = []
+    for s, e, i in segs:
+        view = _source_view(layout.specs[i], sources[i], s, e, device) if i >= 0 else None
+        if view is not None:
+            works.append(broadcast(pg, view))
             continue
-        i = k % len(bufs)
-        if works[i] is not None:
-            works[i].wait()
-        pack_range(bufs[i][: e - s], layout, sources, s, e)
-        works[i] = broadcast(pg, bufs[i][: e - s])
-    for w in [*works, *direct]:
-        if w is not None:
-            w.wait()
+        if dbuf is None:
+            dbuf = _DoubleBuffer(cache, max(b - a for a, b, _ in segs), device)
+        slot, buf = dbuf.next(_no_op)
+        pack_range(buf[: e - s], layout, sources, s, e)
+        work = broadcast(pg, buf[: e - s])
+        dbuf.slots[slot] = (work, s, e)
+    if dbuf is not None:
+        dbuf.drain(_no_op)
+    for w in works:
+        w.wait()
 
 
-def _direct_view(
-    layout: Layout, sources: list[torch.Tensor], start: int, end: int, device: Any
-) -> torch.Tensor | None:
-    """The bytes ``[start, end)`` as a view of a single source tensor, if they are one."""
-    for spec, src in zip(layout.specs, sources):
-        if spec.offset <= start and end <= spec.offset + spec.nbytes:
-            if (
-                src.dtype == spec.torch_dtype
-                and src.is_contiguous()
-                and src.device == torch.device(device)
-            ):
-                return as_bytes(src)[start - spec.offset : end - spec.offset]
-            return None
-        if spec.offset >= end:
-            return None
+def _source_view(spec: Any, src: torch.Tensor, start: int, end: int, device: Any) -> Any:
+    """Bytes ``[start, end)`` of the stream as a view of ``src``, if no cast or move is needed."""
+    if src.dtype == spec.torch_dtype and src.is_contiguous() and src.device == torch.device(device):
+        return as_bytes(src)[start - spec.offset : end - spec.offset]
     return None
 
 
-def broadcast_packed(pg: Any, flat: torch.Tensor, bucket_bytes: int) -> None:
-    """Sender side: broadcast an already packed stream in buckets (used by ``send_async``)."""
+def broadcast_packed(
+    pg: Any, flat: torch.Tensor, bucket_bytes: int, layout: Layout | None = None
+) -> None:
+    """Sender side for an already packed stream. With ``layout`` it follows ``plan`` (what
+    ``receive_stream`` expects); without, it sends fixed byte ranges."""
+    if layout is not None:
+        broadcast_stream(pg, layout, list(views(flat, layout).values()), bucket_bytes, flat.device)
+        return
     works = [
         broadcast(pg, flat[s : min(s + bucket_bytes, flat.numel())])
         for s in range(0, flat.numel(), bucket_bytes)
@@ -106,17 +186,51 @@ def broadcast_packed(pg: Any, flat: torch.Tensor, bucket_bytes: int) -> None:
 def receive_stream(
     pg: Any, layout: Layout, bucket_bytes: int, device: Any = "cpu", out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Receiver side: the whole stream, received bucket by bucket into one staging buffer
+    """Receiver side: the whole stream, received by ``plan`` into one staging buffer
     (``out`` if given, at least ``layout.total_bytes`` long)."""
     flat = (
         out
         if out is not None
         else torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
     )
-    works = [broadcast(pg, flat[s:e]) for s, e in layout.buckets(bucket_bytes)]
+    works = [broadcast(pg, flat[s:e]) for s, e, _ in plan(layout, bucket_bytes)]
     for w in works:
         w.wait()
     return flat
+
+
+def receive_into(
+    pg: Any,
+    layout: Layout,
+    targets: list[torch.Tensor],
+    bucket_bytes: int,
+    device: Any = "cpu",
+    buffers: list[torch.Tensor] | None = None,
+) -> None:
+    """Receiver side, in place: segments of a large tensor land in its target's storage,
+    packed buckets go through two rotating buffers and are unpacked into their targets.
+    ``targets`` (one per spec) must be contiguous and of the spec's dtype and shape."""
+    segs = plan(layout, bucket_bytes)
+    cache = buffers if buffers is not None else []
+    dbuf: _DoubleBuffer | None = None
+
+    def unpack(buf: torch.Tensor, start: int, end: int) -> None:
+        unpack_range(buf, layout, targets, start, end)
+
+    works = []
+    for s, e, i in segs:
+        if i >= 0:
+            spec = layout.specs[i]
+            works.append(broadcast(pg, as_bytes(targets[i])[s - spec.offset : e - spec.offset]))
+            continue
+        if dbuf is None:
+            dbuf = _DoubleBuffer(cache, max(b - a for a, b, _ in segs), device)
+        slot, buf = dbuf.next(unpack)
+        dbuf.slots[slot] = (broadcast(pg, buf[: e - s]), s, e)
+    if dbuf is not None:
+        dbuf.drain(unpack)
+    for w in works:
+        w.wait()
 
 
 # -- receiver half, run on the worker host -------------------------------------------------
@@ -143,16 +257,68 @@ def drop(host: Any, key: str) -> bool:
     return _groups(host).pop(key, None) is not None
 
 
-def receive(
-    host: Any, layout: Layout, payload: dict[str, Any], skip: bool
-) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+def _group(host: Any, payload: dict[str, Any]) -> tuple[Any, Any]:
     entry = _groups(host).get(payload["key"])
     if entry is None:
         raise RuntimeError(f"collective weights group {payload['key']!r} was not joined here")
     pg, _, backend = entry
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+    return pg, device
+
+
+def receive(
+    host: Any, layout: Layout, payload: dict[str, Any], skip: bool
+) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+    pg, device = _group(host, payload)
     with _groups_lock(host):
         return _receive_staged(host, layout, payload, skip, pg, device)
+
+
+def apply_in_place(
+    host: Any, version: int, layout: Layout, payload: dict[str, Any], lock: Any
+) -> str | None:
+    """Receive ``version`` straight into the worker's parameters under the write lock.
+
+    Returns "applied" (or "ignored" if a newer version landed meanwhile), or None with
+    nothing received when that cannot be done here (the worker is in a method call, a
+    target is not contiguous, or the module does not match); the caller then stages. A
+    transfer that breaks midway raises with the version unclaimed and
+    ``_px_weights_torn`` set (see the module docstring).
+    """
+    from ..receiver import _module_of, copy_aliases, target_tensors, validate
+
+    obj = host._obj
+    targets = target_tensors(_module_of(obj))
+    try:
+        validate(targets, layout)
+    except ValueError:
+        return None  # staged: the error is raised after the broadcast, nothing changed
+    dsts = [targets[spec.name].detach() for spec in layout.specs]
+    if not all(t.is_contiguous() for t in dsts):
+        return None
+    pg, device = _group(host, payload)
+    entered = False
+    try:
+        with _groups_lock(host), lock.write(0.0):
+            entered = True
+            if version <= obj._px_weights_version:  # a newer one landed meanwhile
+                _receive_staged(host, layout, payload, True, pg, device)
+                return "ignored"
+            buffers = host.__dict__.setdefault("_px_weight_buffers", [])
+            try:
+                receive_into(pg, layout, dsts, payload["bucket_bytes"], device, buffers)
+            except BaseException:
+                obj._px_weights_torn = version
+                raise
+            with torch.no_grad():
+                copy_aliases(targets, layout)
+            obj._px_weights_version = version
+            obj._px_weights_torn = 0
+    except TimeoutError:
+        if entered:
+            raise
+        return None  # busy in a method call: stage instead of stalling the broadcast
+    return "applied"
 
 
 def _groups_lock(host: Any) -> threading.Lock:
