@@ -2,16 +2,18 @@
 
 Part 1 runs a short GRPO job on the tiny model and prints the time per phase
 (generation, log-probs, training, refit), generated tokens/s, and refit's share of the
-step. Part 2 builds Llama models of growing size, refits a generation worker from a
-2-rank FSDP2 policy through the shared-memory IPC path, and prints refit time as a ratio
-to the weight-sync floor: one in-process ``copy_`` of the same bytes.
+step (RATIO: goal < 5%). Part 2 builds Llama models of growing size, refits a generation
+worker from a 2-rank FSDP2 policy through the shared-memory IPC path, and prints refit
+time as a ratio to the weight-sync floor (one in-process ``copy_`` of the same bytes) and
+against the seed methods' gather-then-pack refit, timed interleaved in the same run.
 
-    python benchmarks/bench_grpo.py [--sizes 10,50] [--steps 8]
+    python benchmarks/bench_grpo.py [--sizes 10,50,200] [--steps 8] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import tempfile
@@ -36,6 +38,8 @@ def _grpo_breakdown(steps: int, cluster) -> None:
         print(f"  {p:<11} {t * 1000:8.1f} ms  ({t / step:5.1%} of step)")
     print(f"  step        {step * 1000:8.1f} ms")
     print(f"  generated tokens/s: {statistics.median(h['tokens_per_s'] for h in hist):.0f}")
+    share = statistics.median(h["time/refit"] / h["time/step"] for h in hist)
+    print(f"RATIO refit share of the GRPO step: {share:.1%} (goal < 5%)")
 
 
 def _build(path: str, hidden: int, layers: int) -> int:
@@ -61,7 +65,27 @@ def _build(path: str, hidden: int, layers: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _refit_vs_size(sizes_m: list[int], cluster) -> None:
+def _seed_path_refit(policy, gen, t: float = 300.0) -> None:
+    """The seed methods' refit: gather the full weights on every rank, pack on rank 0."""
+    pg = policy.worker_group
+    infos = pg.call("prepare_weights_for_ipc").wait(timeout=t)
+    handles = pg.execute_on(0).get_weights_ipc_handles([k for k, _ in infos[0][0]]).wait(t)[0]
+    gen.call("update_weights_from_ipc_handles", handles).wait(timeout=t)
+
+
+def _copy_floor(nbytes: int, repeats: int) -> float:
+    """Median time of one in-process ``copy_`` of ``nbytes`` (both buffers touched first)."""
+    src = torch.randn(nbytes // 4)
+    dst = torch.zeros_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _refit_vs_size(sizes_m: list[int], cluster, repeats: int) -> None:
     import phalanx as px
     from phalanx.llm.generation import HFGenerationWorker
     from phalanx.llm.policy import Policy
@@ -70,7 +94,7 @@ def _refit_vs_size(sizes_m: list[int], cluster) -> None:
     print("\nrefit (ipc over shared memory, 2 policy ranks -> 1 generator) vs copy_ floor:")
     for size in sizes_m:
         hidden = 512 if size <= 100 else 1024
-        layers = max(1, round(size * 1e6 / (12 * hidden * hidden)))
+        layers = max(1, math.ceil(size * 1e6 / (16 * hidden * hidden)))
         with tempfile.TemporaryDirectory() as d:
             n = _build(d, hidden, layers)
             from transformers import AutoTokenizer
@@ -91,42 +115,43 @@ def _refit_vs_size(sizes_m: list[int], cluster) -> None:
             )
             try:
                 refitter = Refitter(policy, gen, "ipc")
-                refitter.refit()  # first refit creates and maps the segment
-                times = []
-                for _ in range(3):
+                refitter.refit()  # the first refit creates and maps the segment
+                _seed_path_refit(policy, gen)
+                fused, seed = [], []
+                for _ in range(repeats):  # interleaved, so noise hits both alike
                     t0 = time.perf_counter()
                     refitter.refit()
-                    times.append(time.perf_counter() - t0)
+                    fused.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    _seed_path_refit(policy, gen)
+                    seed.append(time.perf_counter() - t0)
             finally:
                 gen.shutdown()
                 policy.shutdown()
-        src = torch.randn(n)
-        dst = torch.empty(n)
-        floor = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            floor.append(time.perf_counter() - t0)
-        r, f = min(times), min(floor)
+        floor = _copy_floor(n * 4, repeats)
+        r, s = statistics.median(fused), statistics.median(seed)
         print(
             f"  {n / 1e6:7.1f} M params ({n * 4 / 2**20:7.1f} MiB): refit {r * 1000:8.1f} ms, "
-            f"copy floor {f * 1000:7.2f} ms, ratio {r / f:7.1f}x"
+            f"gather-and-pack {s * 1000:8.1f} ms, copy floor {floor * 1000:7.2f} ms"
         )
+        print(f"RATIO refit vs copy floor, {n / 1e6:.0f}M params: {r / floor:.2f}x")
+        print(f"RATIO refit speedup vs gather-and-pack, {n / 1e6:.0f}M params: {s / r:.2f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
-        "--sizes", default="10,50", help="model sizes in millions (e.g. 10,100,500)"
+        "--sizes", default="10,50,200", help="model sizes in millions (e.g. 10,100,500)"
     )
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5, help="timed refits per size")
     args = parser.parse_args()
     import phalanx as px
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     cluster = px.Cluster()
     _grpo_breakdown(args.steps, cluster)
-    _refit_vs_size([int(s) for s in args.sizes.split(",") if s], cluster)
+    _refit_vs_size([int(s) for s in args.sizes.split(",") if s], cluster, args.repeats)
 
 
 if __name__ == "__main__":
