@@ -9,7 +9,7 @@ Measured in one run, each against its baseline:
 - the collective transport vs raw ``torch.distributed.broadcast`` of the same tensors over
   the same kind of process group: goal >= 0.9x its speed.
 
-Run: ``python benchmarks/bench_weights.py [--mb 512] [--workers 4] [--repeats 3]``.
+Run: ``python benchmarks/bench_weights.py [--mb 512] [--workers 4] [--repeats 5]``.
 """
 
 from __future__ import annotations
@@ -60,12 +60,24 @@ class BenchReceiver(px.Worker):
         return True
 
     def checksum(self) -> float:
-        return float(sum(p.double().sum() for p in self.model.parameters()))
+        return float(sum(p.detach().double().sum() for p in self.model.parameters()))
 
 
 def timed(fn, repeats: int) -> float:
     fn()  # warm-up: page faults, process groups, caches
     return statistics.median(_once(fn) for _ in range(repeats))
+
+
+def paired(fn, baseline, repeats: int, baseline_samples: list[float]) -> float:
+    """Median time of ``fn``, run alternately with ``baseline`` (whose times are appended
+    to ``baseline_samples``) so that both see the same load on a shared machine."""
+    fn()
+    baseline()
+    times = []
+    for _ in range(repeats):
+        times.append(_once(fn))
+        baseline_samples.append(_once(baseline))
+    return statistics.median(times)
 
 
 def _once(fn) -> float:
@@ -78,7 +90,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=512)
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(2)
     # A Ray of its own, even if another one runs on this machine.
@@ -98,7 +110,7 @@ def main() -> None:
     group = BenchReceiver.create_group(args.mb).launch(
         cluster, px.NodePlacement(num_workers=args.workers), name="bench_weights"
     )
-    expected = float(sum(p.double().sum() for p in model.parameters()))
+    expected = float(sum(p.detach().double().sum() for p in model.parameters()))
 
     def check() -> None:
         sums = group.checksum().wait()
@@ -113,30 +125,15 @@ def main() -> None:
             for d, s in zip(dst, srcs):
                 d.copy_(s)
 
-    t_floor = timed(floor, args.repeats)
-    dsts.clear()  # free the memory before the next measurements
+    floor_samples: list[float] = []
 
     # Naive: ray.put(state_dict) and load_state_dict(ray.get(ref)) on each receiver.
     def naive() -> None:
         ref = ray.put(model.state_dict())
         group.naive_load([ref]).wait(timeout=600)
 
-    t_naive = timed(naive, max(1, args.repeats - 1))
+    t_naive = timed(naive, 2)
     check()
-
-    results = {}
-    for transport in ("auto", "object_store", "collective"):
-        sender = px.WeightSender(group, model, transport=transport, bucket_size_mb=64)
-        if transport == "auto":
-            picked = sorted(set(sender._route(list(range(args.workers)), srcs).values()))
-
-        def sync(sender=sender) -> None:
-            r = sender.send()
-            assert r.ok and len(r.applied) == args.workers, r
-
-        results[transport] = timed(sync, args.repeats)
-        check()
-        sender.close()
 
     # Raw torch.distributed broadcast of the same tensors (driver = rank 0).
     addr = ray.util.get_node_ip_address()
@@ -156,9 +153,29 @@ def main() -> None:
             w.wait()
         h.wait(timeout=600)
 
-    t_raw = timed(raw, args.repeats)
+    # Each phalanx sender runs alternately with its baseline: the floor, or for the
+    # collective transport the raw broadcast.
+    raw_samples: list[float] = []
+    results = {}
+    for transport in ("auto", "object_store", "collective"):
+        sender = px.WeightSender(group, model, transport=transport, bucket_size_mb=64)
+        if transport == "auto":
+            picked = sorted(set(sender._route(list(range(args.workers)), srcs).values()))
+
+        def sync(sender=sender) -> None:
+            r = sender.send()
+            assert r.ok and len(r.applied) == args.workers, r
+
+        if transport == "collective":
+            results[transport] = paired(sync, raw, args.repeats, raw_samples)
+        else:
+            results[transport] = paired(sync, floor, args.repeats, floor_samples)
+            check()
+        sender.close()
     check()
     group.shutdown()
+    t_floor = statistics.median(floor_samples)
+    t_raw = statistics.median(raw_samples)
 
     default = f"default: auto -> {'+'.join(picked)}"
     print(f"floor (4x copy_ in one process):     {t_floor:7.3f} s")

@@ -43,6 +43,9 @@ class Receiver(px.Worker):
     def version(self) -> int:
         return self.weights_version
 
+    def torn(self) -> int:
+        return self.weights_torn
+
     def read_twice(self, pause_s: float) -> tuple[float, float, int, int]:
         """Reads the weights, sleeps, reads again: equal unless a version landed mid-call."""
         a = float(self.model[0].weight.sum())
@@ -98,16 +101,19 @@ def receivers(cluster):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("transport", ["object_store", "shm", "collective"])
+@pytest.mark.parametrize("transport", ["auto", "object_store", "shm", "collective"])
 @pytest.mark.parametrize("bucket_size_mb", [64, 0.001])  # 1 KiB buckets: tensors span buckets
 def test_bitwise_equal_after_several_updates(receivers, transport, bucket_size_mb):
     model = make_model()
     sender = px.WeightSender(receivers, model, transport=transport, bucket_size_mb=bucket_size_mb)
+    # One node, CPU weights: "auto" (the default) takes shared memory.
+    route = {"auto": "shm"}.get(transport, transport)
     try:
         for step in range(3):
             _bump(model, step)
             result = sender.send()
             assert result.ok and result.applied == [0, 1, 2], result
+            assert result.routes == dict.fromkeys([0, 1, 2], route)
             assert result.version == sender.version
             expected = _snapshot(model)
             for state in receivers.state().wait(timeout=60):
@@ -275,7 +281,6 @@ def test_dtype_cast_and_name_map(cluster, transport):
     )
     try:
         model = make_model()  # fp32 trainer, bf16 receivers named policy.*
-        _bump(model, 70)
         sender = px.WeightSender(
             g,
             model,
@@ -284,14 +289,16 @@ def test_dtype_cast_and_name_map(cluster, transport):
             name_map=lambda n: f"policy.{n}",
             bucket_size_mb=0.001,
         )
-        result = sender.send()
-        assert result.applied == [0, 1], result
-        expected = {
-            k: v.to(torch.bfloat16) if v.is_floating_point() else v
-            for k, v in model.state_dict().items()
-        }
-        for state in g.state().wait(timeout=60):
-            assert _equal(state, expected)
+        for step in (70, 71):  # twice: packing buffers are reused between sends
+            _bump(model, step)
+            result = sender.send()
+            assert result.applied == [0, 1], result
+            expected = {
+                k: v.to(torch.bfloat16) if v.is_floating_point() else v
+                for k, v in model.state_dict().items()
+            }
+            for state in g.state().wait(timeout=60):
+                assert _equal(state, expected)
         # Without the cast the dtypes do not match: an error naming the parameter.
         plain = px.WeightSender(g, model, transport=transport, name_map=lambda n: f"policy.{n}")
         with pytest.raises(px.WeightMismatchError, match="dtype mismatch"):
@@ -358,5 +365,70 @@ def test_receiver_killed_during_send(cluster, transport):
         _bump(model, 91)
         again = sender.send()
         assert again.applied == [0, 2] and list(again.failed) == [1]
+    finally:
+        g.shutdown(force=True)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("bucket_bytes", [64, 1024, 1 << 20, 64 << 20])
+def test_collective_plan_covers_every_tensor_once(bucket_bytes):
+    from phalanx.weights.layout import gather, to_named_tensors
+    from phalanx.weights.transports.collective import plan
+
+    named = {**to_named_tensors(make_model(64)), "big": torch.zeros(300_000), "e": torch.zeros(0)}
+    layout, _ = gather(named)
+    segs = plan(layout, bucket_bytes)
+    covered = torch.zeros(layout.total_bytes, dtype=torch.int32)
+    for start, end, i in segs:
+        assert 0 < end - start <= bucket_bytes
+        covered[start:end] += 1
+        if i >= 0:  # a direct segment lies inside its one tensor
+            spec = layout.specs[i]
+            assert spec.offset <= start and end <= spec.offset + spec.nbytes
+        else:  # a packed bucket holds whole tensors only
+            for spec in layout.specs:
+                lo, hi = max(start, spec.offset), min(end, spec.offset + spec.nbytes)
+                assert lo >= hi or (lo, hi) == (spec.offset, spec.offset + spec.nbytes)
+    for spec in layout.specs:
+        assert bool((covered[spec.offset : spec.offset + spec.nbytes] == 1).all()), spec.name
+    assert int(covered.max()) <= 1
+
+
+@pytest.mark.timeout(90)
+def test_collective_broken_midway_claims_no_version(cluster):
+    """The sender stops after the first segment: receivers that were receiving in place
+    time out, keep their old version and say they are torn; a whole version repairs them."""
+    from phalanx.weights.layout import as_bytes, gather, to_named_tensors
+    from phalanx.weights.transports.collective import broadcast, plan
+
+    g = Receiver.create_group().launch(cluster, px.NodePlacement(num_workers=2), name="w_torn")
+    try:
+        model = make_model()
+        sender = px.WeightSender(
+            g, model, transport="collective", bucket_size_mb=0.001, timeout_s=3
+        )
+        assert sender.send().ok
+        v_old = sender.version
+        _bump(model, 100)
+        key, pg = sender._process_group([0, 1], "gloo")
+        layout, sources = gather(to_named_tensors(model))
+        payload = {"key": key, "bucket_bytes": sender.bucket_bytes}
+        refs = [sender._apply_remote(r, "collective", v_old + 1, layout, payload) for r in (0, 1)]
+        start, end, i = plan(layout, sender.bucket_bytes)[0]
+        assert i >= 0  # the first tensor is sent straight from its storage
+        spec = layout.specs[i]
+        broadcast(pg, as_bytes(sources[i])[start - spec.offset : end - spec.offset]).wait()
+        for ref in refs:
+            with pytest.raises(ray.exceptions.RayTaskError):
+                ray.get(ref, timeout=60)
+        assert g.version().wait(timeout=30) == [v_old, v_old]
+        assert g.torn().wait(timeout=30) == [v_old + 1, v_old + 1]
+        sender.close()
+        # A new sender (new process group) sends a whole version: consistent again.
+        again = px.WeightSender(g, model, transport="collective", bucket_size_mb=0.001)
+        assert again.send().applied == [0, 1]
+        assert g.torn().wait(timeout=30) == [0, 0]
+        assert all(_equal(s, _snapshot(model)) for s in g.state().wait(timeout=30))
+        again.close()
     finally:
         g.shutdown(force=True)

@@ -36,6 +36,12 @@ class WeightsReceiverMixin:
         """The version of the weights applied last (0: none received yet)."""
         return self._px_weights_version
 
+    @property
+    def weights_torn(self) -> int:
+        """A version whose in-place (collective) transfer broke midway, leaving the model
+        a mix of two versions until a whole version is applied again; 0 when consistent."""
+        return self._px_weights_torn
+
     def weights_module(self) -> Any:
         """The ``torch.nn.Module`` that receives weights; ``self.model`` unless overridden."""
         model = getattr(self, "model", None)

@@ -52,6 +52,7 @@ class SyncResult:
     failed: dict[int, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     transport: str = ""
+    routes: dict[int, str] = field(default_factory=dict)  # rank -> transport its bytes took
 
     @property
     def ok(self) -> bool:
@@ -71,6 +72,7 @@ class _Pending:
     timings: dict[str, float]
     thread: threading.Thread | None = None
     thread_error: list[BaseException] = field(default_factory=list)
+    routes: dict[int, str] = field(default_factory=dict)
     keep: Any = None  # keeps a snapshot alive until the receivers are done
 
 
@@ -236,6 +238,7 @@ class WeightSender:
         version = self._version
         pending = _Pending(version, ranks, self.transport, {}, layout, sources, t0, timings)
         if self.transport == "collective":
+            pending.routes = dict.fromkeys(ranks, "collective")
             self._start_collective(pending, snapshot)
         else:
             t1 = time.perf_counter()
@@ -244,6 +247,7 @@ class WeightSender:
             timings["pack"] = time.perf_counter() - t1
             for r in ranks:
                 kind, payload = payloads[r]
+                pending.routes[r] = kind
                 pending.refs[r] = self._apply_remote(r, kind, version, layout, payload)
         # What the fault layer needs to re-sync a restarted worker to this version.
         self._last = (version, weights if weights is not None else self.model, None)
@@ -406,7 +410,7 @@ class WeightSender:
             p.thread.join(max(0.0, deadline - time.perf_counter()))
             if p.thread.is_alive():  # a stuck broadcast still holds these: use new ones
                 self._coll_buffers, self._coll_snapshot = [], None
-        result = SyncResult(p.version, transport=p.transport)
+        result = SyncResult(p.version, transport=p.transport, routes=p.routes)
         result.failed.update(p.timings.pop("_dead", {}) or {})  # type: ignore[arg-type]
         mismatches: dict[int, BaseException] = {}
         acks = self._collect(p.refs, deadline, result, mismatches)
@@ -426,6 +430,7 @@ class WeightSender:
                     r: self._apply_remote(r, "object_store", p.version, p.layout, payload)
                     for r in alive
                 }
+                result.routes.update(dict.fromkeys(alive, "object_store"))
                 acks.update(
                     self._collect(refs, time.perf_counter() + self.timeout_s, result, mismatches)
                 )
@@ -508,7 +513,9 @@ class WeightSender:
             payload = self._put(layout, sources)
         ranks = self._ranks(list(ranks))
         refs = {r: self._apply_remote(r, "object_store", version, layout, payload) for r in ranks}
-        result = SyncResult(version, transport="object_store")
+        result = SyncResult(
+            version, transport="object_store", routes=dict.fromkeys(ranks, "object_store")
+        )
         self._collect(refs, time.perf_counter() + self.timeout_s, result, {})
         if result.failed:
             raise RuntimeError(
