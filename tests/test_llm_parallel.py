@@ -148,7 +148,10 @@ def test_parallel_config_errors_name_the_value(cluster, model_path, tokenizer):
     # Context parallelism needs CUDA: refused on the driver, before any worker starts.
     with pytest.raises(NotImplementedError, match="context_parallel_size=2.*CUDA"):
         Policy(cluster, cfg(context_parallel_size=2), tokenizer, num_workers=2)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not divide num_workers 3"):
+    with pytest.raises(
+        ValueError,
+        match="tensor_parallel_size=2 x context_parallel_size=1 does not divide num_workers 3",
+    ):
         Policy(cluster, cfg(tensor_parallel_size=2), tokenizer, num_workers=3)
 
 

@@ -24,14 +24,19 @@ from .loss import LossFunction
 from .policy_worker import check_parallel_config
 
 DP_AXIS = "data_parallel"
+CP_AXIS = "context_parallel"
 TP_AXIS = "tensor_parallel"
 
 
-def _sharding(world_size: int, tp: int) -> NamedSharding:
-    """Ranks on a (data_parallel, tensor_parallel) grid, as the workers' device mesh."""
-    if world_size % tp:
-        raise ValueError(f"dtensor_cfg.tensor_parallel_size={tp} does not divide {world_size}")
-    return NamedSharding(np.arange(world_size).reshape(world_size // tp, tp), [DP_AXIS, TP_AXIS])
+def _sharding(world_size: int, tp: int, cp: int) -> NamedSharding:
+    """Ranks on a (data, context, tensor)-parallel grid, as the workers' device mesh."""
+    if world_size % (tp * cp):
+        raise ValueError(
+            f"dtensor_cfg.tensor_parallel_size={tp} x context_parallel_size={cp} does not "
+            f"divide {world_size} ranks"
+        )
+    grid = np.arange(world_size).reshape(world_size // (tp * cp), cp, tp)
+    return NamedSharding(grid, [DP_AXIS, CP_AXIS, TP_AXIS])
 
 
 class Policy:
@@ -68,17 +73,19 @@ class Policy:
             )
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
-        tp, _ = check_parallel_config(config)
-        if num_workers % tp:
+        tp, cp = check_parallel_config(config)
+        if num_workers % (tp * cp):
             raise ValueError(
-                f"dtensor_cfg.tensor_parallel_size={tp} does not divide num_workers {num_workers}"
+                f"dtensor_cfg.tensor_parallel_size={tp} x context_parallel_size={cp} does not "
+                f"divide num_workers {num_workers}"
             )
-        dp = num_workers // tp
+        dp = num_workers // (tp * cp)
         gbs = config.get("train_global_batch_size")
         if isinstance(gbs, int) and gbs % dp:
             raise ValueError(
                 f"train_global_batch_size {gbs} is not divisible by the data-parallel size {dp} "
-                f"(num_workers {num_workers} / tensor_parallel_size {tp})"
+                f"(num_workers {num_workers} / (tensor_parallel_size {tp} x "
+                f"context_parallel_size {cp}))"
             )
         self.cfg = config
         self.tokenizer = tokenizer
@@ -93,12 +100,12 @@ class Policy:
             init_reference_model=init_reference_model,
         )
         if isinstance(cluster, RayVirtualCluster):
-            sharding = _sharding(cluster.world_size, tp)
+            sharding = _sharding(cluster.world_size, tp, cp)
             self.worker_group = RayWorkerGroup(
                 cluster, builder, name_prefix=name_prefix, sharding_annotations=sharding
             )
         else:
-            sharding = _sharding(num_workers, tp)
+            sharding = _sharding(num_workers, tp, cp)
             self.worker_group = RayWorkerGroup(remote_worker_builder=builder).launch(
                 cluster,
                 NodePlacement(num_workers=num_workers, num_cpus=num_cpus_per_worker),
@@ -122,13 +129,13 @@ class Policy:
             )
 
     def _sharded(self, method: str, shards: list[BatchedDataDict], **common: Any) -> list[Any]:
-        # The tp ranks of one data-parallel rank take the same shard and return one result.
+        # The cp and tp ranks of one data-parallel rank take the same shard; one returns.
         fut = self.worker_group.run_all_workers_sharded_data(
             method,
             data=shards,
             in_sharded_axes=[DP_AXIS],
-            replicate_on_axes=[TP_AXIS],
-            output_is_replicated=[TP_AXIS],
+            replicate_on_axes=[CP_AXIS, TP_AXIS],
+            output_is_replicated=[CP_AXIS, TP_AXIS],
             common_kwargs=common,
         )
         return fut.get_results(self.worker_group, timeout=self.timeout_s)

@@ -2,11 +2,12 @@
 
 Each rank of a group joins one ``torch.distributed`` process group (gloo on CPU, NCCL on
 GPU) from the rank environment phalanx sets, loads the model with ``from_pretrained``,
-builds a ("dp", "tp") device mesh, applies tensor (and sequence) parallelism over "tp"
-when ``tensor_parallel_size > 1`` and then ``fully_shard`` to every decoder layer and the
-root over "dp" (``parallelize.py``), and trains with token-level losses normalised by the
-number of valid tokens of the whole global batch, so the result does not depend on the
-sharding. Context parallelism needs CUDA (see ``check_parallel_config``).
+builds a ("dp", "cp", "tp") device mesh, applies tensor (and sequence) parallelism over
+"tp" when ``tensor_parallel_size > 1`` and then ``fully_shard`` to every decoder layer and
+the root over "dp" (and "cp") (``parallelize.py``), and trains with token-level losses
+normalised by the number of valid tokens of the whole global batch, so the result does
+not depend on the sharding. Context parallelism needs CUDA (``check_parallel_config``
+refuses it on CPU); on GPU the forward and backward run inside ``train_context``.
 
 Config (a dict, NeMo-RL's ``PolicyConfig`` keys)::
 
@@ -146,21 +147,28 @@ class DTensorPolicyWorker(Worker):
         from torch.distributed.device_mesh import init_device_mesh
 
         dcfg = self.cfg.get("dtensor_cfg") or {}
-        self.tp_size = int(dcfg.get("tensor_parallel_size", 1))
+        self.tp_size, self.cp_size = check_parallel_config(self.cfg)
         world = dist.get_world_size()
-        if world % self.tp_size:
+        if world % (self.tp_size * self.cp_size):
             raise ValueError(
-                f"dtensor_cfg.tensor_parallel_size={self.tp_size} does not divide the "
-                f"number of policy ranks {world}"
+                f"dtensor_cfg.tensor_parallel_size={self.tp_size} x context_parallel_size="
+                f"{self.cp_size} does not divide the number of policy ranks {world}"
             )
-        self.dp_size = world // self.tp_size
+        self.dp_size = world // (self.tp_size * self.cp_size)
         self.sequence_parallel = bool(dcfg.get("sequence_parallel")) and self.tp_size > 1
-        # Rank r sits at (r // tp, r % tp): tp ranks are neighbours (the same node first).
+        # Rank r sits at (dp, cp, tp) in row-major order: tp ranks are neighbours.
         self.device_mesh = init_device_mesh(
-            self.device.type, (self.dp_size, self.tp_size), mesh_dim_names=("dp", "tp")
+            self.device.type,
+            (self.dp_size, self.cp_size, self.tp_size),
+            mesh_dim_names=("dp", "cp", "tp"),
         )
-        self.dp_mesh, self.tp_mesh = self.device_mesh["dp"], self.device_mesh["tp"]
+        self.dp_mesh, self.cp_mesh = self.device_mesh["dp"], self.device_mesh["cp"]
+        self.tp_mesh = self.device_mesh["tp"]
         self._dp_group = self.dp_mesh.get_group()
+        # FSDP shards over dp and cp together (cp ranks hold the same rows of the batch).
+        self._fsdp_mesh = (
+            self.device_mesh["dp", "cp"]._flatten("dp_cp") if self.cp_size > 1 else self.dp_mesh
+        )
         self.dtype = _PRECISIONS[self.cfg.get("precision", "float32")]
         self.model = self._load_model()
         self.max_seq_len = int(
@@ -219,7 +227,7 @@ class DTensorPolicyWorker(Worker):
             model = model.to(self.device)
         if self.tp_size > 1:
             apply_tp(model, self.tp_mesh, self.sequence_parallel)
-        apply_fsdp(model, self.dp_mesh, mp, offload)
+        apply_fsdp(model, self._fsdp_mesh, mp, offload)
         return model
 
     def _reshard(self) -> None:
@@ -261,7 +269,14 @@ class DTensorPolicyWorker(Worker):
                 f"{self.max_seq_len}"
             )
 
-    def _forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _forward_logits(self, input_ids: torch.Tensor, stack: contextlib.ExitStack) -> torch.Tensor:
+        """Logits [B, T, V] of right-padded ``input_ids``.
+
+        Contexts the backward pass must also run under (context parallelism) are entered
+        into ``stack``, which the caller closes after its backward.
+        """
+        if self.cp_size > 1:
+            return self._forward_logits_cp(input_ids, stack)
         # Right padding needs no attention mask: valid tokens never attend to later pads.
         T = input_ids.shape[1]
         pad = -T % self.tp_size if self.sequence_parallel else 0
@@ -270,6 +285,29 @@ class DTensorPolicyWorker(Worker):
             input_ids = torch.cat([input_ids, fill], dim=1)
         logits = self.model(input_ids=input_ids.to(self.device), use_cache=False).logits
         return logits[:, :T] if pad else logits
+
+    def _forward_logits_cp(
+        self, input_ids: torch.Tensor, stack: contextlib.ExitStack
+    ) -> torch.Tensor:
+        """Context parallelism (CUDA only): each cp rank runs the model on its share of the
+        sequence (torch's ring attention); the logits are all-gathered, with gradients,
+        back into whole sequences, ordered by the positions each rank received."""
+        from torch.distributed.nn.functional import all_gather
+
+        B, T = input_ids.shape
+        pad = -T % (2 * self.cp_size)  # torch's load balancer cuts 2 * cp chunks
+        ids = torch.nn.functional.pad(input_ids, (0, pad), value=self.tokenizer.pad_token_id)
+        ids = ids.to(self.device)
+        pos = torch.arange(T + pad, device=self.device).expand(B, -1).contiguous()
+        ctx = self.create_context_parallel_ctx(self.cp_mesh, [ids, pos], [1, 1], {ids, pos})
+        stack.enter_context(self.train_context(ctx))
+        local = self.model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        group = self.cp_mesh.get_group()
+        positions = [torch.empty_like(pos[0]) for _ in range(self.cp_size)]
+        dist.all_gather(positions, pos[0].contiguous(), group=group)
+        order = torch.argsort(torch.cat(positions))
+        full = torch.cat(all_gather(local.contiguous(), group=group), dim=1)
+        return full[:, order[:T]]
 
     # ------------------------------------------------------------------ training
     def train(
@@ -324,8 +362,8 @@ class DTensorPolicyWorker(Worker):
                 mb = mb.to(self.device)
                 if hasattr(self.model, "set_requires_gradient_sync"):
                     self.model.set_requires_gradient_sync(i == n_mb - 1)
-                with torch.set_grad_enabled(not eval_mode):
-                    logits = self._forward_logits(mb["input_ids"]).float()
+                with torch.set_grad_enabled(not eval_mode), contextlib.ExitStack() as stack:
+                    logits = self._forward_logits(mb["input_ids"], stack).float()
                     loss, metrics = loss_fn(logits, mb, global_seqs, global_toks)
                     if not eval_mode:
                         # FSDP averages gradients over dp ranks; the loss is already a
@@ -375,7 +413,8 @@ class DTensorPolicyWorker(Worker):
                 chunk = ids[i * mbs : (i + 1) * mbs]
             else:  # a dummy forward to keep the collectives in step
                 chunk = torch.full((1, 2), self.tokenizer.pad_token_id, dtype=torch.long)
-            logits = self._forward_logits(chunk)
+            with contextlib.ExitStack() as stack:
+                logits = self._forward_logits(chunk, stack)
             if i >= n_mb:
                 continue
             logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
