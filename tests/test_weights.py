@@ -339,7 +339,7 @@ def test_bad_arguments(receivers):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("transport", ["object_store", "collective"])
+@pytest.mark.parametrize("transport", ["auto", "object_store", "collective"])
 def test_receiver_killed_during_send(cluster, transport):
     g = Receiver.create_group().launch(
         cluster, px.NodePlacement(num_workers=3), name=f"w_kill_{transport}"
@@ -432,3 +432,29 @@ def test_collective_broken_midway_claims_no_version(cluster):
         again.close()
     finally:
         g.shutdown(force=True)
+
+
+@pytest.mark.timeout(60)
+def test_shm_straggler_reads_a_segment_that_is_not_rewritten(receivers):
+    """A worker that misses the deadline applies later from the segment it was given: the
+    sender moves to a new segment, so what the straggler reads is still a whole version."""
+    model = make_model()
+    sender = px.WeightSender(receivers, model, timeout_s=1.0, apply_timeout_s=30)
+    try:
+        busy = receivers.execute_on(1).sleep(3.0)
+        time.sleep(0.3)
+        _bump(model, 110)
+        sent = _snapshot(model)
+        late = sender.send()
+        assert late.applied == [0, 2] and list(late.failed) == [1] and late.routes[1] == "shm"
+        assert sender._segment is None  # retired: the straggler may still read it
+        _bump(model, 111)
+        assert sender.send(worker_ids=[0, 2]).applied == [0, 2]
+        busy.wait(timeout=30)
+        deadline = time.time() + 20
+        while receivers.execute_on(1).version().wait(timeout=30)[0] < late.version:
+            assert time.time() < deadline, "the straggler never applied its version"
+            time.sleep(0.1)
+        assert _equal(receivers.execute_on(1).state().wait(timeout=30)[0], sent)
+    finally:
+        sender.close()

@@ -414,6 +414,11 @@ class WeightSender:
         result.failed.update(p.timings.pop("_dead", {}) or {})  # type: ignore[arg-type]
         mismatches: dict[int, BaseException] = {}
         acks = self._collect(p.refs, deadline, result, mismatches)
+        if self._segment is not None and any(p.routes.get(r) == "shm" for r in result.failed):
+            # A worker that did not answer may still read the segment later: the next
+            # send writes a new one rather than overwrite what it would read.
+            self._segment.unlink()
+            self._segment = None
         if p.transport == "collective" and (p.thread_error or (p.thread and p.thread.is_alive())):
             # The broadcast broke (a receiver died mid-way): drop the groups, re-send the
             # same version to the survivors through the object store.
