@@ -548,7 +548,8 @@ class DTensorPolicyWorker(Worker):
     def pack_weights_for_ipc(self) -> dict[str, Any] | None:
         """``prepare_weights_for_ipc`` + ``get_weights_ipc_handles`` in one call, cheaper.
 
-        Every rank must call it; rank 0 returns the handles. On CPU, when all policy ranks
+        Every rank must call it; rank 0 returns the handles, once the weights are in place.
+        On CPU, when all policy ranks
         share a node, each rank copies its own rows of every parameter into one
         shared-memory segment (kept across refits; no gather, no collective after the
         first call), so the cost is one parallel copy of the weights. Otherwise the full
@@ -567,6 +568,7 @@ class DTensorPolicyWorker(Worker):
         layout = self._refit_layout[1]
         segment = self._shared_segment(layout.total_bytes)
         write_shards(segment.tensor, layout, state, self.rank == 0)
+        dist.barrier()  # rank 0 returns once every rank has written: receivers may read
         if self.rank != 0:
             return None
         return {self.report_device_id(): {"kind": "shm", "layout": layout, "name": segment.name}}

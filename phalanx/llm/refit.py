@@ -5,7 +5,8 @@ Four transports, all on the weight-sync layer (``phalanx.weights``):
 - ``"ipc"``: on CPU every policy rank copies its own rows of the weights into one
   same-node shared-memory segment (``DTensorPolicyWorker.pack_weights_for_ipc``); on GPU
   rank 0 packs the gathered weights into a CUDA buffer. The generation workers map the
-  handle and copy in. Same node only. Two calls in all: policy, then generators.
+  handle and copy in. Same node only. The generators' call takes the policy's result
+  as a Ray argument, so the driver waits once.
 - ``"collective"``: policy rank 0 and the generation workers form one process group
   (gloo on CPU, NCCL on GPU); rank 0 broadcasts the weights in buckets.
 - ``"object_store"`` / ``"shm"``: the gathered state dict goes through a
@@ -70,8 +71,12 @@ class Refitter:
         """Copy the policy's current weights into every generation worker."""
         pg, gen, t = self.policy.worker_group, self.generation, self.timeout_s
         if self.transport == "ipc":
-            self._handles = pg.call("pack_weights_for_ipc").wait(timeout=t)[0]
-            gen.call("update_weights_from_ipc_handles", self._handles).wait(timeout=t)
+            packed = pg.call("pack_weights_for_ipc")
+            # Rank 0's result goes straight to the generators as a Ray argument: they start
+            # copying when it is ready, without a round trip through the driver.
+            applied = gen.call("update_weights_from_ipc_handles", packed.refs[0])
+            self._handles = packed.wait(timeout=t)[0]
+            applied.wait(timeout=t)
         elif self.transport == "collective":
             if self._info is None:
                 self._setup_collective()
