@@ -40,6 +40,7 @@ from .transports import object_store as _os
 from .transports import shm as _shm
 
 _PING_TIMEOUT_S = 10.0
+_LATE = "did not apply within"  # a worker still busy: no re-send, it may yet apply
 
 
 @dataclass
@@ -419,11 +420,20 @@ class WeightSender:
             # send writes a new one rather than overwrite what it would read.
             self._segment.unlink()
             self._segment = None
-        if p.transport == "collective" and (p.thread_error or (p.thread and p.thread.is_alive())):
-            # The broadcast broke (a receiver died mid-way): drop the groups, re-send the
-            # same version to the survivors through the object store.
+        broke = p.thread_error or (p.thread and p.thread.is_alive())
+        errored = [
+            r for r, why in result.failed.items() if r not in mismatches and _LATE not in why
+        ]
+        if p.transport == "collective" and (broke or errored):
+            # The broadcast broke (a receiver died mid-way) or a receiver failed in it (it
+            # may be torn): drop the groups, re-send the same version to the survivors
+            # through the object store.
             self._drop_groups()
-            redo = [r for r in p.ranks if r not in result.applied and r not in result.ignored]
+            redo = [
+                r
+                for r in p.ranks
+                if r not in result.applied and r not in result.ignored and r not in mismatches
+            ]
             alive, dead = self._alive(redo)
             for r, why in dead.items():
                 result.failed[r] = result.failed.get(r) or why
@@ -469,7 +479,7 @@ class WeightSender:
         ready_set = set(ready)
         for r, ref in refs.items():
             if ref not in ready_set:
-                result.failed[r] = f"did not apply within {self.timeout_s}s"
+                result.failed[r] = f"{_LATE} {self.timeout_s}s"
                 continue
             try:
                 ack = ray.get(ref, timeout=1.0)
