@@ -114,8 +114,26 @@ def copy_into(
 
     with torch.no_grad():
         for spec in layout.specs:
-            targets[spec.name].copy_(sources[spec.name])
+            src = sources[spec.name]
+            if isinstance(src, list):
+                _copy_pieces(targets[spec.name], spec.torch_dtype, src)
+            else:
+                targets[spec.name].copy_(src)
         copy_aliases(targets, layout)
+
+
+def _copy_pieces(dst: torch.Tensor, dtype: torch.dtype, pieces: list[torch.Tensor]) -> None:
+    """Copy uint8 pieces that together hold ``dst``'s bytes into it, each piece once."""
+    import torch
+
+    if not dst.is_contiguous():
+        dst.copy_(torch.cat(pieces).view(dtype).view(dst.shape))
+        return
+    flat = dst.detach().reshape(-1).view(torch.uint8)
+    at = 0
+    for piece in pieces:
+        flat[at : at + piece.numel()].copy_(piece)
+        at += piece.numel()
 
 
 def copy_aliases(targets: dict[str, torch.Tensor], layout: Layout) -> None:
@@ -136,7 +154,8 @@ def apply_weights(
 ) -> bool:
     """Apply a whole version to ``obj``'s module: all or nothing. False if not newer.
 
-    ``sources`` maps each spec name to a tensor of the spec's shape and dtype. ``lock`` is
+    ``sources`` maps each spec name to a tensor of the spec's shape and dtype, or to the
+    list of uint8 pieces that hold its bytes (a tensor split across buckets). ``lock`` is
     a ``ReadWriteLock``: the copy happens under its write side.
     """
     if version is not None and version <= getattr(obj, "_px_weights_version", 0):

@@ -88,13 +88,13 @@ def receive(
         if first == last:
             base = first * bucket
             sources.update(views(flats[first][spec.offset - base :], _one(spec), spec.offset))
-        else:  # spans buckets: join its pieces (one tensor's worth of memory)
+        else:  # spans buckets: its byte pieces, copied one by one into the target
             parts = []
             for b in range(first, last + 1):
                 lo = max(spec.offset, b * bucket) - b * bucket
                 hi = min(spec.offset + spec.nbytes, (b + 1) * bucket) - b * bucket
                 parts.append(flats[b][lo:hi])
-            sources[spec.name] = torch.cat(parts).view(spec.torch_dtype).view(spec.shape)
+            sources[spec.name] = parts
     return sources, lambda: None
 
 
