@@ -18,6 +18,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -73,16 +74,17 @@ def _seed_path_refit(policy, gen, t: float = 300.0) -> None:
     gen.call("update_weights_from_ipc_handles", handles).wait(timeout=t)
 
 
-def _copy_floor(nbytes: int, repeats: int) -> float:
-    """Median time of one in-process ``copy_`` of ``nbytes`` (both buffers touched first)."""
+def _copy_floor(nbytes: int) -> Callable[[], float]:
+    """One in-process ``copy_`` of ``nbytes`` (both buffers touched first); returns seconds."""
     src = torch.randn(nbytes // 4)
     dst = torch.zeros_like(src)
-    times = []
-    for _ in range(repeats + 1):
+
+    def once() -> float:
         t0 = time.perf_counter()
         dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+        return time.perf_counter() - t0
+
+    return once
 
 
 def _refit_vs_size(sizes_m: list[int], cluster, repeats: int) -> None:
@@ -117,19 +119,22 @@ def _refit_vs_size(sizes_m: list[int], cluster, repeats: int) -> None:
                 refitter = Refitter(policy, gen, "ipc")
                 refitter.refit()  # the first refit creates and maps the segment
                 _seed_path_refit(policy, gen)
-                fused, seed = [], []
-                for _ in range(repeats):  # interleaved, so noise hits both alike
+                copy_once = _copy_floor(n * 4)
+                copy_once()
+                fused, seed, floors = [], [], []
+                for _ in range(repeats):  # interleaved, so noise hits all three alike
                     t0 = time.perf_counter()
                     refitter.refit()
                     fused.append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
                     _seed_path_refit(policy, gen)
                     seed.append(time.perf_counter() - t0)
+                    floors.append(copy_once())
+                del copy_once
             finally:
                 gen.shutdown()
                 policy.shutdown()
-        floor = _copy_floor(n * 4, repeats)
-        r, s = statistics.median(fused), statistics.median(seed)
+        r, s, floor = (statistics.median(x) for x in (fused, seed, floors))
         print(
             f"  {n / 1e6:7.1f} M params ({n * 4 / 2**20:7.1f} MiB): refit {r * 1000:8.1f} ms, "
             f"gather-and-pack {s * 1000:8.1f} ms, copy floor {floor * 1000:7.2f} ms"
