@@ -9,8 +9,8 @@ Measured in one run, each against its baseline:
 - the collective transport vs raw ``torch.distributed.broadcast`` of the same tensors over
   the same kind of process group: goal >= 0.9x its speed.
 
-Each sender runs alternately with its baseline (floor or raw broadcast), medians of
-``--repeats``. The object store is reported twice: right after one warm-up send, and in
+Each sender runs alternately with its baselines (floor, and for the default also the naive
+way; raw broadcast for the collective), medians of ``--repeats``. The object store is reported twice: right after one warm-up send, and in
 steady state after ``--os-warmup`` more sends (see ``phalanx/weights/transports/object_store.py``).
 
 Run: ``python benchmarks/bench_weights.py [--mb 512] [--workers 4] [--repeats 5]``.
@@ -72,15 +72,17 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(_once(fn) for _ in range(repeats))
 
 
-def paired(fn, baseline, repeats: int, baseline_samples: list[float]) -> float:
-    """Median time of ``fn``, run alternately with ``baseline`` (whose times are appended
-    to ``baseline_samples``) so that both see the same load on a shared machine."""
+def paired(fn, baselines: dict, repeats: int) -> float:
+    """Median time of ``fn``, run in turn with each baseline (``{fn: list of its times}``,
+    appended to) so that all see the same load on a shared machine."""
     fn()
-    baseline()
+    for b in baselines:
+        b()
     times = []
     for _ in range(repeats):
         times.append(_once(fn))
-        baseline_samples.append(_once(baseline))
+        for b, samples in baselines.items():
+            samples.append(_once(b))
     return statistics.median(times)
 
 
@@ -137,8 +139,7 @@ def main() -> None:
         ref = ray.put(model.state_dict())
         group.naive_load([ref]).wait(timeout=600)
 
-    t_naive = timed(naive, 2)
-    check()
+    naive_samples: list[float] = []
 
     # Raw torch.distributed broadcast of the same tensors (driver = rank 0).
     addr = ray.util.get_node_ip_address()
@@ -172,22 +173,26 @@ def main() -> None:
             assert r.ok and len(r.applied) == args.workers, r
 
         if transport == "collective":
-            results[transport] = paired(sync, raw, args.repeats, raw_samples)
+            results[transport] = paired(sync, {raw: raw_samples}, args.repeats)
         else:
-            results[transport] = paired(sync, floor, args.repeats, floor_samples)
+            # The default also alternates with the (slow) naive way, fewer times.
+            extra = {naive: naive_samples} if transport == "auto" else {}
+            reps = 3 if extra else args.repeats
+            results[transport] = paired(sync, {floor: floor_samples, **extra}, reps)
             check()
         if transport == "object_store":
             # Every put writes a new object; until the store has used (and so faulted in)
             # all the regions it cycles over, some sends pay page faults. Steady state:
             for _ in range(args.os_warmup):
                 sync()
-            results["object_store (steady)"] = paired(sync, floor, args.repeats, floor_samples)
+            results["object_store (steady)"] = paired(sync, {floor: floor_samples}, args.repeats)
             check()
         sender.close()
     check()
     group.shutdown()
     t_floor = statistics.median(floor_samples)
     t_raw = statistics.median(raw_samples)
+    t_naive = statistics.median(naive_samples)
 
     default = f"default: auto -> {'+'.join(picked)}"
     print(f"floor (4x copy_ in one process):     {t_floor:7.3f} s")
