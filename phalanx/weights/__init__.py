@@ -1,5 +1,8 @@
 """Weight synchronization: senders, receivers and their transports (layer 5).
 
+Transports: ``"auto"`` (the default: same-node shared memory or CUDA IPC, the object store
+across nodes), ``"object_store"``, ``"shm"``, ``"collective"``; see ``WeightSender``.
+
 Public: ``WeightSender``, ``RayModuleTransformSender``, ``SyncResult``,
 ``WeightMismatchError``, and worker-side building blocks (``pack_state_dict``,
 ``ShmSegment``, ``broadcast_stream``, ``receive_stream``, ``apply_weights``...) that

@@ -5,7 +5,10 @@ receive. A payload is first made available locally by its transport (zero-copy v
 the object store or of shared memory, or a staging buffer filled by a broadcast); then
 every name, shape and dtype is checked against the module; only if all match are the
 bytes copied into the existing parameters and buffers, under the host's write lock, so
-a method call never sees half a version. Versions that are not newer are ignored.
+a method call never sees half a version. Versions that are not newer are ignored. An
+idle worker receiving a broadcast skips the staging copy: it validates first, then
+receives straight into its parameters under the write lock (see
+``transports/collective.py`` for what happens when such a transfer breaks midway).
 
 Torch is imported lazily: the mixin is part of every ``Worker``.
 """
