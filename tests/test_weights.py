@@ -150,7 +150,7 @@ def test_worker_ids_subsets(receivers):
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("transport", ["object_store", "collective"])
+@pytest.mark.parametrize("transport", ["auto", "object_store", "collective"])
 def test_async_send_overlaps_sender_computation(receivers, transport):
     model = make_model()
     sender = px.WeightSender(receivers, model, transport=transport)
@@ -220,9 +220,10 @@ def test_out_of_order_and_repeated_versions_ignored(receivers):
 
 
 @pytest.mark.timeout(60)
-def test_mismatch_errors_leave_receiver_unchanged(receivers):
+@pytest.mark.parametrize("transport", ["auto", "object_store", "collective"])
+def test_mismatch_errors_leave_receiver_unchanged(receivers, transport):
     model = make_model()
-    sender = px.WeightSender(receivers, model)
+    sender = px.WeightSender(receivers, model, transport=transport)
     before = receivers.state().wait(timeout=60)
     bad = _snapshot(model)
     bad["2.weight"] = torch.ones(4, 32)  # receiver has [3, 32]
