@@ -288,11 +288,11 @@ def apply_in_place(
     from ..receiver import _module_of, copy_aliases, target_tensors, validate
 
     obj = host._obj
-    targets = target_tensors(_module_of(obj))
     try:
+        targets = target_tensors(_module_of(obj))
         validate(targets, layout)
-    except ValueError:
-        return None  # staged: the error is raised after the broadcast, nothing changed
+    except Exception:  # noqa: BLE001 - staged: it raises again after the broadcast
+        return None  # (the others need this worker in the broadcast), nothing changed
     dsts = [targets[spec.name].detach() for spec in layout.specs]
     if not all(t.is_contiguous() for t in dsts):
         return None
