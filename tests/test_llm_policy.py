@@ -229,3 +229,44 @@ def test_bad_input_names_the_value(cluster, policy2, model_path, tokenizer):
     g = policy2.worker_group
     with pytest.raises(Exception, match="sequence length 40"):
         g.execute_on(0).get_logprobs(long).wait(30)
+
+
+def _pack_uneven(worker, name):
+    """FSDP2-shard a module with row counts that do not split evenly; pack it by rows."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from phalanx.llm.shard_pack import stream_layout, write_shards
+    from phalanx.weights import ShmSegment
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 1), torch.nn.Embedding(7, 3))
+    full = {k: v.clone() for k, v in m.state_dict().items()}
+    fully_shard(m, mesh=worker.dp_mesh)
+    state = m.state_dict()
+    layout = stream_layout(state, torch.float32)
+    if worker.rank == 0:
+        seg = ShmSegment(layout.total_bytes, name=name)
+    dist.barrier()
+    if worker.rank != 0:
+        seg = ShmSegment(layout.total_bytes, name=name, create=False)
+    write_shards(seg.tensor, layout, state, worker.rank == 0)
+    dist.barrier()
+    return layout, full
+
+
+def test_ranks_pack_their_own_uneven_rows(policy2):
+    from phalanx.weights import ShmSegment, views
+
+    name = f"phalanx_test_{os.getpid()}"
+    g = policy2.worker_group
+    try:
+        results = g._collect(
+            g._call("pack", [(r, (name,), {}) for r in (0, 1)], fn=_pack_uneven), 60
+        )
+        (layout, full), _ = results
+        got = views(ShmSegment(layout.total_bytes, name=name, create=False).tensor, layout)
+        for k, v in full.items():
+            assert torch.equal(got[k], v), k
+    finally:
+        ShmSegment(1, name=name, create=False).unlink()
