@@ -79,7 +79,13 @@ def test_tp2_matches_one_rank_and_refits_generator(
     cluster, model_path, tokenizer, unsharded, sequence_parallel, tmp_path
 ):
     data, (lp1, out1, delta1, _) = unsharded
-    cfg = _cfg(model_path, tensor_parallel_size=2, sequence_parallel=sequence_parallel)
+    # The sequence-parallel run also recomputes activations (activation checkpointing).
+    cfg = _cfg(
+        model_path,
+        tensor_parallel_size=2,
+        sequence_parallel=sequence_parallel,
+        activation_checkpointing=sequence_parallel,
+    )
     pol = Policy(cluster, cfg, tokenizer, num_workers=2, name_prefix=f"tp2_sp{sequence_parallel}")
     gen = None
     try:
