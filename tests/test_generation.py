@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -182,3 +183,68 @@ def test_dead_generator_is_restarted_and_refitted_before_generating(
             assert torch.equal(out["output_ids"], expected["output_ids"]), transport
     finally:
         gen.shutdown()
+
+
+def _exit_after(worker, delay_s):
+    time.sleep(delay_s)
+    os._exit(1)
+
+
+@pytest.mark.timeout(120)
+def test_generator_dying_mid_collective_refit_is_named_and_next_refit_works(
+    cluster, setup, model_path, tokenizer
+):
+    policy, _ = setup
+    gen = HFGenerationWorker.create_group(_gen_cfg(model_path), tokenizer).launch(
+        cluster,
+        px.NodePlacement(num_workers=2),
+        name="gen_coll_kill",
+        restart_policy=px.RestartPolicy(),
+    )
+    try:
+        refitter = Refitter(policy, gen, "collective", peer_timeout_s=20)
+        refitter.refit()  # the refit group exists before the death
+        g = policy.worker_group
+        g._collect(g._call("noise", [(r, (0.05, 21), {}) for r in (0, 1)], fn=_noise), 60)
+        # Rank 1 is busy when the refit starts and exits mid-way: the policy's rank 0 is
+        # already in the broadcast, rank 0 of the generators is receiving.
+        gen._call("exit", [(1, (1.0,), {})], fn=_exit_after)
+        time.sleep(0.2)
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match=r"gen_coll_kill\[rank 1\]: worker died"):
+            refitter.refit()
+        assert time.perf_counter() - t0 < 20
+        # The next refit waits for the restart, rebuilds the group and reaches everyone.
+        refitter.refit()
+        assert gen.num_remote_worker_restarts() == 1
+        data = _prompts(tokenizer, n=6, seed=21)
+        expected = _local_greedy(model_path, policy.state_dict(), tokenizer, data, max_new=6)
+        for out in gen.generate(data, greedy=True).wait(60):
+            assert torch.equal(out["output_ids"], expected["output_ids"])
+    finally:
+        gen.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_collective_refit_waits_at_most_peer_timeout_for_a_busy_generator(
+    setup, model_path, tokenizer
+):
+    """A live generator that does not join the broadcast frees the others within
+    ``peer_timeout_s`` (gloo's default would hold them 300 s); the next refit works."""
+    policy, gen = setup
+    refitter = Refitter(policy, gen, "collective", peer_timeout_s=2)
+    refitter.refit()
+    busy = gen._call("sleep", [(1, (8.0,), {})], fn=_sleep)
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="no member died"):
+        refitter.refit()
+    assert time.perf_counter() - t0 < 8
+    busy.wait(30)
+    refitter.refit()
+    state = policy.state_dict()
+    for sd in gen.get_state_dict().wait(60):
+        assert all(torch.equal(sd[k], state[k]) for k in state)
+
+
+def _sleep(worker, seconds):
+    time.sleep(seconds)

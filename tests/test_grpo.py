@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 
 import pytest
+import ray
 import torch
 
-from phalanx.algorithms.grpo import GRPOConfig, group_normalized_advantages, train
+import phalanx as px
+from phalanx.algorithms.grpo import GRPOConfig, _generate, group_normalized_advantages, train
 from phalanx.llm.loss import ClippedPGLossConfig, ClippedPGLossFn
 
 
@@ -97,3 +101,83 @@ def test_grpo_raises_reward_and_resumes(cluster, tmp_path):
     # The resumed policy starts where the first run ended: its KL to the reference is
     # that of a trained policy, not of a fresh one.
     assert hist2[0]["kl"] > 0
+
+
+def _exit_after(worker, delay_s):
+    time.sleep(delay_s)
+    os._exit(1)
+
+
+@pytest.mark.timeout(60)
+def test_generate_retries_once_after_a_worker_died(cluster, tmp_path):
+    """The worker dies under the generate call (WorkerDiedError): the call is made
+    again once the group restarted it."""
+    from transformers import AutoTokenizer
+
+    from phalanx.llm.generation import HFGenerationWorker
+    from phalanx.llm.tiny_task import AdditionTask, build_tiny_model, encode_prompts
+
+    path = build_tiny_model(tmp_path / "model")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    cfg = {"model_name": path, "max_new_tokens": 4, "seed": 0}
+    gen = HFGenerationWorker.create_group(cfg, tokenizer).launch(
+        cluster,
+        px.NodePlacement(num_workers=2),
+        name="grpo_gen_retry",
+        restart_policy=px.RestartPolicy(),
+    )
+    try:
+        ids, lengths = encode_prompts(tokenizer, [p for p, _ in AdditionTask(0).sample_prompts(6)])
+        data = px.BatchedDataDict(input_ids=ids, input_lengths=lengths)
+        # Rank 1 exits while busy; the generate call queued behind it fails with the death.
+        gen._call("exit", [(1, (0.5,), {})], fn=_exit_after)
+        out = _generate(gen, data, timeout=60)
+        assert gen.num_remote_worker_restarts() == 1
+        assert out["output_ids"].shape == (6, ids.shape[1] + 4)
+        for i in range(6):  # every row: its own prompt, then at least one new token
+            n = int(lengths[i])
+            assert torch.equal(out["output_ids"][i, :n], ids[i, :n])
+            assert int(out["generation_lengths"][i]) >= 1
+    finally:
+        gen.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_grpo_survives_a_generation_worker_killed_between_steps(cluster, tmp_path):
+    run_dir = str(tmp_path / "run")
+    cfg = GRPOConfig(
+        run_dir=run_dir,
+        steps=2,
+        prompts_per_step=2,
+        samples_per_prompt=2,
+        train_micro_batch_size=2,
+        warmup_steps=0,
+        warmup_batch_size=2,
+        eval_every=0,
+        checkpoint_every=100,
+        progress=False,
+    )
+    killed: list[float] = []
+
+    def kill_after_step_1() -> None:
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if os.path.exists(metrics):
+                with open(metrics) as f:
+                    if any("reward_mean" in line for line in f):
+                        break
+            time.sleep(0.005)
+        actor = ray.get_actor(f"grpo_generation_{os.getpid()}:0", namespace="phalanx")
+        ray.kill(actor, no_restart=True)
+        killed.append(time.monotonic())
+
+    killer = threading.Thread(target=kill_after_step_1, daemon=True)
+    killer.start()
+    hist = train(cfg, cluster)["history"]
+    killer.join(5)
+    assert killed, "the generation worker was not killed"
+    assert [h["step"] for h in hist] == [1, 2]
+    assert hist[0]["generation_restarts"] == 0
+    assert hist[1]["generation_restarts"] == 1  # restarted, refitted, and step 2 ran
+    assert all(h["response_length"] > 0 for h in hist)

@@ -399,6 +399,7 @@ def train(cfg: GRPOConfig, cluster: Any = None) -> dict[str, Any]:
                 "clip_frac": sum(mb["clip_frac_sum"]) / ntok,
                 "response_length": float(gen["generation_lengths"].float().mean()),
                 "tokens_per_s": gen_tokens / max(times["generation"], 1e-9),
+                "generation_restarts": generation.num_remote_worker_restarts(),
                 **{f"time/{k}": v for k, v in times.items()},
             }
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):

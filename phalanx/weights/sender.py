@@ -309,20 +309,7 @@ class WeightSender:
 
     # -- collective ---------------------------------------------------------------------
     def _alive(self, ranks: list[int]) -> tuple[list[int], dict[int, str]]:
-        actors = self.group.actors
-        refs = {r: actors[r]._px_ping.remote() for r in ranks}
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=_PING_TIMEOUT_S)
-        alive, dead = [], {}
-        for r, ref in refs.items():
-            if ref not in ready:
-                dead[r] = f"did not answer a ping within {_PING_TIMEOUT_S}s"
-                continue
-            try:
-                ray.get(ref)
-                alive.append(r)
-            except (RayActorError, RayTaskError) as e:
-                dead[r] = f"worker died: {type(e).__name__}"
-        return alive, dead
+        return ping({r: self.group.actors[r] for r in ranks})
 
     def _backend(self, sources: list[torch.Tensor]) -> str:
         if self.backend is not None:
@@ -548,6 +535,25 @@ class WeightSender:
         state["_os_buffer"] = None
         state["_coll_buffers"] = []
         state["_coll_snapshot"] = None
+
+
+def ping(
+    actors: Mapping[int, Any], timeout_s: float = _PING_TIMEOUT_S
+) -> tuple[list[int], dict[int, str]]:
+    """Ping phalanx worker ``actors`` (rank -> handle): the ranks alive, and why the others are not."""
+    refs = {r: a._px_ping.remote() for r, a in actors.items()}
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    alive, dead = [], {}
+    for r, ref in refs.items():
+        if ref not in ready:
+            dead[r] = f"did not answer a ping within {timeout_s}s"
+            continue
+        try:
+            ray.get(ref)
+            alive.append(r)
+        except (RayActorError, RayTaskError) as e:
+            dead[r] = f"worker died: {type(e).__name__}"
+    return alive, dead
 
 
 class RayModuleTransformSender(WeightSender):
