@@ -9,8 +9,10 @@ Four transports, all on the weight-sync layer (``phalanx.weights``):
   as a Ray argument, so the driver waits once.
 - ``"collective"``: policy rank 0 and the generation workers form one process group
   (gloo on CPU, NCCL on GPU); rank 0 broadcasts the weights in buckets. Every operation
-  of that group times out after ``peer_timeout_s`` (30 s; gloo's own default is 300 s),
-  so a peer that died or never joined frees the others within that bound. A broadcast
+  of that group times out after ``peer_timeout_s`` (30 s; the group is made with 300 s,
+  then ``set_timeout`` on every member), so a peer that died or does not take part frees
+  the others within that bound (a dead peer's closed connection usually does it at once).
+  A gloo operation that timed out cannot be retried, so the refit fails instead. A broadcast
   that fails is reported naming the workers that died (pinged as the weight-sync layer
   does, ``phalanx.weights.sender.ping``), and the group is rebuilt at the next refit;
   it is also rebuilt when a member was restarted since it was made.
@@ -40,7 +42,11 @@ TRANSPORTS = ("ipc", "collective", "object_store", "shm")
 
 
 class Refitter:
-    """Refits ``generation`` from ``policy`` through one transport; ``refit()`` per step."""
+    """Refits ``generation`` from ``policy`` through one transport; ``refit()`` per step.
+
+    ``timeout_s`` bounds each driver-side wait; ``peer_timeout_s`` bounds each operation of
+    the collective refit group, i.e. how long its members wait for a peer that is gone.
+    """
 
     def __init__(
         self,
