@@ -55,6 +55,21 @@ def fresh_ray():
         _state["cluster"].__dict__.update(_start_shared().__dict__)
 
 
+@pytest.fixture(scope="session")
+def model_path(tmp_path_factory):
+    """The tiny decoder of the LLM tests, saved once per session (tests only read it)."""
+    from phalanx.llm.tiny_task import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
 def pytest_sessionfinish(session, exitstatus):
     if ray.is_initialized():
         ray.shutdown()

@@ -13,21 +13,9 @@ from phalanx.llm.generation import HFGenerationWorker
 from phalanx.llm.loss import NLLLoss
 from phalanx.llm.policy import Policy
 from phalanx.llm.refit import TRANSPORTS, Refitter
-from phalanx.llm.tiny_task import AdditionTask, build_tiny_model, encode_prompts, sft_batch
+from phalanx.llm.tiny_task import AdditionTask, encode_prompts, sft_batch
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tinygen") / "model")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
 
 
 def _gen_cfg(path, **over):

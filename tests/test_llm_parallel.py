@@ -16,22 +16,10 @@ from phalanx.llm.loss import NLLLoss
 from phalanx.llm.policy import Policy
 from phalanx.llm.policy_worker import DTensorPolicyWorker, check_parallel_config
 from phalanx.llm.refit import Refitter
-from phalanx.llm.tiny_task import AdditionTask, build_tiny_model, encode_prompts, sft_batch
+from phalanx.llm.tiny_task import AdditionTask, encode_prompts, sft_batch
 from tests.test_generation import _gen_cfg, _local_greedy
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tinytp") / "model")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
 
 
 def _cfg(path, **dtensor):

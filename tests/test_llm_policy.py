@@ -10,21 +10,9 @@ import torch
 from phalanx.data import BatchedDataDict
 from phalanx.llm.loss import NLLLoss
 from phalanx.llm.policy import Policy
-from phalanx.llm.tiny_task import AdditionTask, build_tiny_model, sft_batch
+from phalanx.llm.tiny_task import AdditionTask, sft_batch
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
 
 
 def _cfg(path, **over):
