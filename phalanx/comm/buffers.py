@@ -10,6 +10,7 @@ buffers per peer; shared-memory segments use ``lease`` the same way (``shm.py``)
 
 from __future__ import annotations
 
+import abc
 import threading
 import weakref
 from collections.abc import Callable
@@ -36,7 +37,7 @@ def lease(
     return torch.from_numpy(arr)
 
 
-class Recycler:
+class Recycler(abc.ABC):
     """Reusable items (buffers, segments) of varying capacity, bounded in count and bytes.
 
     Items have a ``capacity`` and a ``free()`` test; subclasses say how to make one
@@ -69,10 +70,11 @@ class Recycler:
         used = sum(i.capacity for i in self._items)
         return len(self._items) < self.max_items and used + nbytes <= self.max_bytes
 
+    @abc.abstractmethod
     def _make(self, nbytes: int) -> Any:
-        raise NotImplementedError
+        """A new item of ``nbytes`` capacity."""
 
-    def _drop(self, item: Any) -> None:
+    def _drop(self, item: Any) -> None:  # noqa: B027 - a hook; the default needs nothing
         """Nothing to do by default: the item is freed with its last reference."""
 
 

@@ -34,7 +34,6 @@ _LAZY = {
     "pack_to_shm": ".transports.shm",
     "open_views": ".transports.shm",
     "broadcast_stream": ".transports.collective",
-    "broadcast_packed": ".transports.collective",
     "receive_stream": ".transports.collective",
     "new_process_group": ".transports.collective",
     "pack_to_cuda": ".transports.cuda_ipc",

@@ -167,22 +167,6 @@ def _source_view(spec: Any, src: torch.Tensor, start: int, end: int, device: Any
     return None
 
 
-def broadcast_packed(
-    pg: Any, flat: torch.Tensor, bucket_bytes: int, layout: Layout | None = None
-) -> None:
-    """Sender side for an already packed stream. With ``layout`` it follows ``plan`` (what
-    ``receive_stream`` expects); without, it sends fixed byte ranges."""
-    if layout is not None:
-        broadcast_stream(pg, layout, list(views(flat, layout).values()), bucket_bytes, flat.device)
-        return
-    works = [
-        broadcast(pg, flat[s : min(s + bucket_bytes, flat.numel())])
-        for s in range(0, flat.numel(), bucket_bytes)
-    ]
-    for w in works:
-        w.wait()
-
-
 def receive_stream(
     pg: Any, layout: Layout, bucket_bytes: int, device: Any = "cpu", out: torch.Tensor | None = None
 ) -> torch.Tensor:
