@@ -19,8 +19,8 @@ import ray
 from _common import interleaved, report
 
 import phalanx as px
-from phalanx.fault import _MONITOR
-from phalanx.futures import get_results
+from phalanx.group.fault import _MONITOR
+from phalanx.group.futures import get_results
 
 
 class Stateful(px.Worker):

@@ -19,7 +19,7 @@ import timeit
 from _common import report
 
 import phalanx as px
-from phalanx import trace
+from phalanx._base import trace
 
 
 class Stepper(px.Worker):

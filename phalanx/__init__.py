@@ -6,56 +6,62 @@ use, so a worker process that does not touch them starts quickly.
 
 from __future__ import annotations
 
-from ._lazy import lazy_exports
-from .address import WorkerAddress
-from .builder import RayWorkerBuilder
-from .cluster import Cluster, NodeInfo
-from .errors import GroupTimeoutError, WorkerDiedError, WorkerError
-from .futures import GroupHandle, MultiWorkerFuture
-from .group import RayWorkerGroup, UnknownMethodError, WorkerGroup
-from .placement import FlexiblePlacement, NodePlacement, PackedPlacement, Placement, WorkerSlot
-from .sharding import NamedSharding
-from .timing import reduce_durations
-from .virtual_cluster import RayVirtualCluster
-from .worker import Worker, WorkerInfo
+from phalanx._base.address import WorkerAddress
+from phalanx._base.errors import GroupTimeoutError, WorkerDiedError, WorkerError
+from phalanx._base.lazy import lazy_exports
+from phalanx._base.timing import reduce_durations
+from phalanx.group.futures import GroupHandle, MultiWorkerFuture
+from phalanx.group.group import RayWorkerGroup, UnknownMethodError, WorkerGroup
+from phalanx.group.sharding import NamedSharding
+from phalanx.resources.cluster import Cluster, NodeInfo
+from phalanx.resources.placement import (
+    FlexiblePlacement,
+    NodePlacement,
+    PackedPlacement,
+    Placement,
+    WorkerSlot,
+)
+from phalanx.resources.virtual_cluster import RayVirtualCluster
+from phalanx.worker.builder import RayWorkerBuilder
+from phalanx.worker.worker import Worker, WorkerInfo
 
 __version__ = "0.1.0"
 
 # name -> module, imported lazily (these pull in torch).
 _LAZY = {
-    "BatchedDataDict": ".data",
-    "Channel": ".comm.channel",
-    "CollectiveGroup": ".comm.collective",
-    "CommError": ".comm.errors",
-    "PeerDiedError": ".comm.errors",
-    "Work": ".comm.work",
-    "connect_channel": ".comm.channel",
-    "create_channel": ".comm.channel",
-    "AsyncSubmission": ".fault",
-    "HangReport": ".hang",
-    "HangTimeoutError": ".hang",
-    "HealthEvent": ".fault",
-    "RestartPolicy": ".fault",
-    "Watchdog": ".hang",
-    "WorkerHealth": ".fault",
-    "RayModuleTransformSender": ".weights.sender",
-    "SyncResult": ".weights.sender",
-    "WeightMismatchError": ".weights.receiver",
-    "WeightSender": ".weights.sender",
-    "MetricsLogger": ".metrics",
-    "Progress": ".progress",
-    "DTensorPolicyWorker": ".llm.policy_worker",
-    "Policy": ".llm.policy",
-    "HFGenerationWorker": ".llm.generation",
-    "GenerationInterface": ".llm.generation",
-    "Refitter": ".llm.refit",
-    "NLLLoss": ".llm.loss",
-    "ClippedPGLossFn": ".llm.loss",
-    "EnvContext": ".envs.config",
-    "EnvRunner": ".envs.env_runner",
-    "EnvRunnerGroup": ".envs.env_runner_group",
-    "EnvRunnerGroupConfig": ".envs.config",
-    "PPOConfig": ".algorithms.ppo",
+    "BatchedDataDict": "phalanx.data",
+    "Channel": "phalanx.comm.channel",
+    "CollectiveGroup": "phalanx.comm.collective",
+    "CommError": "phalanx.comm.errors",
+    "PeerDiedError": "phalanx.comm.errors",
+    "Work": "phalanx.comm.work",
+    "connect_channel": "phalanx.comm.channel",
+    "create_channel": "phalanx.comm.channel",
+    "AsyncSubmission": "phalanx.group.fault",
+    "HangReport": "phalanx.group.hang",
+    "HangTimeoutError": "phalanx.group.hang",
+    "HealthEvent": "phalanx.group.fault",
+    "RestartPolicy": "phalanx.group.fault",
+    "Watchdog": "phalanx.group.hang",
+    "WorkerHealth": "phalanx.group.fault",
+    "RayModuleTransformSender": "phalanx.weights.sender",
+    "SyncResult": "phalanx.weights.sender",
+    "WeightMismatchError": "phalanx.weights.receiver",
+    "WeightSender": "phalanx.weights.sender",
+    "MetricsLogger": "phalanx.observe.metrics",
+    "Progress": "phalanx.observe.progress",
+    "DTensorPolicyWorker": "phalanx.llm.policy_worker",
+    "Policy": "phalanx.llm.policy",
+    "HFGenerationWorker": "phalanx.llm.generation",
+    "GenerationInterface": "phalanx.llm.generation",
+    "Refitter": "phalanx.llm.refit",
+    "NLLLoss": "phalanx.llm.loss",
+    "ClippedPGLossFn": "phalanx.llm.loss",
+    "EnvContext": "phalanx.envs.config",
+    "EnvRunner": "phalanx.envs.env_runner",
+    "EnvRunnerGroup": "phalanx.envs.env_runner_group",
+    "EnvRunnerGroupConfig": "phalanx.envs.config",
+    "PPOConfig": "phalanx.algorithms.ppo",
 }
 
 

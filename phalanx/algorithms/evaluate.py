@@ -22,8 +22,8 @@ def evaluate(
     """Mean and std of the returns of ``episodes`` episodes of the run's saved policy."""
     import torch
 
-    from ..envs import DEFAULT_POLICY_ID, EnvRunner
-    from .ppo import PPOConfig, build_policy, load_checkpoint
+    from phalanx.algorithms.ppo import PPOConfig, build_policy, load_checkpoint
+    from phalanx.envs import DEFAULT_POLICY_ID, EnvRunner
 
     if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:
         raise ValueError(f"episodes must be a positive int, got {episodes!r}")

@@ -124,7 +124,7 @@ def answer_probability(policy, tokenizer, pairs) -> float:
     For temperature-1 sampling this is the expected 0/1 reward (up to answers spelled with
     extra spaces), computed from log-probs, so it carries no sampling noise.
     """
-    from ..llm.tiny_task import sft_batch
+    from phalanx.llm.tiny_task import sft_batch
 
     data = sft_batch(tokenizer, pairs)
     logprobs = policy.get_logprobs(data)["logprobs"]
@@ -133,25 +133,25 @@ def answer_probability(policy, tokenizer, pairs) -> float:
 
 def _generate(gen_group, data, timeout: float = 300.0):
     """Split a prompt batch over the generation workers and put the outputs back in order."""
-    from ..data import BatchedDataDict
-    from ..errors import WorkerDiedError
+    from phalanx._base.errors import WorkerDiedError
+    from phalanx.data import BatchedDataDict
 
     shards = data.shard_by_batch_size(gen_group.world_size, allow_uneven_shards=True)
     calls = [(r, (s,), {}) for r, s in enumerate(shards)]
     try:
-        outs = gen_group._call("generate", calls).wait(timeout=timeout)
+        outs = gen_group.call_ranks("generate", calls).wait(timeout=timeout)
     except WorkerDiedError:
         # A worker died mid-call: its group restarts and refits it before this retry.
-        outs = gen_group._call("generate", calls).wait(timeout=timeout)
+        outs = gen_group.call_ranks("generate", calls).wait(timeout=timeout)
     return BatchedDataDict.from_batches(outs, pad_value_dict={"output_ids": 0})
 
 
 class _Metrics:
-    """phalanx.metrics.MetricsLogger when present; otherwise a minimal JSONL writer."""
+    """phalanx.observe.metrics.MetricsLogger when present; otherwise a minimal JSONL writer."""
 
     def __init__(self, run_dir: str):
         try:
-            from ..metrics import MetricsLogger
+            from phalanx.observe.metrics import MetricsLogger
 
             self._logger = MetricsLogger(run_dir)
             self._file = None
@@ -230,12 +230,11 @@ def train(cfg: GRPOConfig, cluster: Any = None) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     import phalanx as px
-
-    from ..llm.generation import HFGenerationWorker
-    from ..llm.loss import ClippedPGLossConfig, ClippedPGLossFn, NLLLoss
-    from ..llm.policy import Policy
-    from ..llm.refit import Refitter
-    from ..llm.tiny_task import AdditionTask, build_tiny_model, encode_prompts, sft_batch
+    from phalanx.llm.generation import HFGenerationWorker
+    from phalanx.llm.loss import ClippedPGLossConfig, ClippedPGLossFn, NLLLoss
+    from phalanx.llm.policy import Policy
+    from phalanx.llm.refit import Refitter
+    from phalanx.llm.tiny_task import AdditionTask, build_tiny_model, encode_prompts, sft_batch
 
     cfg.validate()
     os.makedirs(cfg.run_dir, exist_ok=True)
@@ -453,15 +452,14 @@ def _reset_worker_optimizer(worker: Any, lr: float) -> None:
 def _reset_optimizer(policy: Any, lr: float) -> None:
     """A fresh optimizer and scheduler at ``lr`` on every policy rank (for the RL phase)."""
     g = policy.worker_group
-    g._call(
-        "reset_optimizer", [(r, (lr,), {}) for r in range(g.world_size)], fn=_reset_worker_optimizer
-    ).wait(timeout=120)
+    calls = [(r, (lr,), {}) for r in range(g.world_size)]
+    g.apply(_reset_worker_optimizer, calls, label="reset_optimizer").wait(timeout=120)
 
 
 def _set_lr(policy: Any, lr: float) -> None:
     """Set the learning rate on every policy rank (warm-up and GRPO use different ones)."""
     g = policy.worker_group
-    g._call("set_lr", [(r, (lr,), {}) for r in range(g.world_size)], fn=_set_worker_lr).wait(
+    g.apply(_set_worker_lr, [(r, (lr,), {}) for r in range(g.world_size)], label="set_lr").wait(
         timeout=120
     )
 
@@ -473,11 +471,11 @@ def _to_rng_state(state: Any) -> tuple:
 
 
 def _progress(cfg: GRPOConfig, start_step: int):
-    """A per-step progress callback: phalanx.progress when present, else one line a step."""
+    """A per-step progress callback: phalanx.observe.progress when present, else one line a step."""
     if not cfg.progress:
         return lambda step, row: None
     try:
-        from ..progress import Progress  # the observability layer's live display
+        from phalanx.observe.progress import Progress  # the observability layer's live display
 
         bar = Progress(total=cfg.steps, start=start_step, title="GRPO")
         return lambda step, row: bar.update(step, row)

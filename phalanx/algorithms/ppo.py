@@ -147,12 +147,12 @@ class PPOConfig:
             raise ValueError(f"name must be a non-empty str without '/', got {self.name!r}")
         if not isinstance(self.env, str):
             raise TypeError(f"env must be a gymnasium env id, got {self.env!r}")
-        from ..envs.env_runner import check_env_id
+        from phalanx.envs.env_runner import check_env_id
 
         check_env_id(self.env)
 
     def env_runner_config(self) -> Any:
-        from ..envs import EnvRunnerGroupConfig
+        from phalanx.envs import EnvRunnerGroupConfig
 
         return EnvRunnerGroupConfig(
             env=self.env,
@@ -339,7 +339,7 @@ def load_checkpoint(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def build_policy(cfg: PPOConfig, observation_space: Any, action_space: Any) -> torch.nn.Module:
-    from ..envs.policy import ActorCritic
+    from phalanx.envs.policy import ActorCritic
 
     return ActorCritic(
         observation_space, action_space, cfg.hidden, cfg.activation, cfg.init_log_std
@@ -362,10 +362,10 @@ def train(
     ``on_iteration(metrics, env_runner_group)`` is called after every iteration; a true
     return value stops the run there.
     """
-    from .. import trace
-    from ..envs import EnvRunnerGroup
-    from ..metrics import MetricsLogger
-    from ..progress import Progress
+    from phalanx._base import trace
+    from phalanx.envs import EnvRunnerGroup
+    from phalanx.observe.metrics import MetricsLogger
+    from phalanx.observe.progress import Progress
 
     t_start = time.perf_counter()
     cfg.validate()
@@ -524,7 +524,7 @@ def train(
 
 def plot_learning_curve(run_dir: Path) -> Path | None:
     """``run_dir/learning_curve.png``: mean return of recent episodes vs timesteps."""
-    from ..metrics import read_metrics
+    from phalanx.observe.metrics import read_metrics
 
     rows = [r for r in read_metrics(run_dir) if r.get("return_mean_recent") is not None]
     if not rows:
@@ -588,7 +588,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true",
                         help="continue <runs-dir>/<name> from its checkpoint (step count, policy, optimizer, normaliser)")  # fmt: skip
     parser.add_argument("--trace", action="store_true",
-                        help="record a trace of group calls into the run folder (phalanx.trace)")  # fmt: skip
+                        help="record a trace of group calls into the run folder (phalanx._base.trace)")  # fmt: skip
     parser.add_argument("--no-progress", dest="progress", action="store_false", default=None,
                         help="no live progress display")  # fmt: skip
 
@@ -695,7 +695,7 @@ def _tracing(enabled: bool, run_dir: Path) -> Iterator[None]:
     if not enabled:
         yield
         return
-    from .. import trace
+    from phalanx._base import trace
 
     path = trace.enable(run_dir / "trace.json")
     try:

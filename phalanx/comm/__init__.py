@@ -5,11 +5,11 @@ Imports nothing heavy at package import; torch is loaded where tensors are handl
 
 from __future__ import annotations
 
-from .._lazy import lazy_exports
-from .config import CommConfig, configure
-from .errors import CommError, PeerDiedError, PeerNotFoundError
-from .mixin import CommMixin
-from .work import Work
+from phalanx._base.lazy import lazy_exports
+from phalanx.comm.config import CommConfig, configure
+from phalanx.comm.errors import CommError, PeerDiedError, PeerNotFoundError
+from phalanx.comm.mixin import CommMixin
+from phalanx.comm.work import Work
 
 _LAZY = {
     "send": ".p2p",

@@ -23,11 +23,11 @@ from typing import Any
 
 import ray
 
-from .. import trace as _trace
-from .endpoint import ACTOR_NAMESPACE, get_endpoint
-from .errors import CommError, PeerDiedError
-from .wire import encode
-from .work import Work
+from phalanx._base import trace as _trace
+from phalanx.comm.endpoint import ACTOR_NAMESPACE, get_endpoint
+from phalanx.comm.errors import CommError, PeerDiedError
+from phalanx.comm.wire import encode
+from phalanx.comm.work import Work
 
 DEFAULT_KEY = "default"
 _PREFIX = "px-channel:"
@@ -243,7 +243,7 @@ class Channel:
             raise ValueError(f"maxsize must be a non-negative int, got {maxsize!r}")
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from ..cluster import Cluster
+        from phalanx.resources.cluster import Cluster
 
         node = Cluster().node(node_id)
         try:

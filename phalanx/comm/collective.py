@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..address import WorkerAddress
-from .config import CONFIG
-from .endpoint import KV_NAMESPACE, _make_pg_n, get_endpoint
-from .errors import CommError
+from phalanx._base.address import WorkerAddress
+from phalanx.comm.config import CONFIG
+from phalanx.comm.endpoint import KV_NAMESPACE, _make_pg_n, get_endpoint
+from phalanx.comm.errors import CommError
 
 _groups: dict[tuple, CollectiveGroup] = {}
 _lock = threading.Lock()

@@ -37,12 +37,12 @@ from typing import Any
 
 import ray
 
-from . import shm
-from .buffers import BufferPool
-from .config import CONFIG
-from .errors import CommError, PeerDiedError, PeerNotFoundError
-from .wire import CUDA_IPC, GLOO, INLINE, NCCL, SHM, Outgoing, decode, select_transport
-from .work import Work
+from phalanx.comm import shm
+from phalanx.comm.buffers import BufferPool
+from phalanx.comm.config import CONFIG
+from phalanx.comm.errors import CommError, PeerDiedError, PeerNotFoundError
+from phalanx.comm.wire import CUDA_IPC, GLOO, INLINE, NCCL, SHM, Outgoing, decode, select_transport
+from phalanx.comm.work import Work
 
 logger = logging.getLogger(__name__)
 

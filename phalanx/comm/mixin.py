@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..address import WorkerAddress
-    from .channel import Channel
-    from .work import Work
+    from phalanx._base.address import WorkerAddress
+    from phalanx.comm.channel import Channel
+    from phalanx.comm.work import Work
 
 
 class CommMixin:
@@ -26,7 +26,7 @@ class CommMixin:
         async_op: bool = False,
     ) -> Work | None:
         """Send any picklable object (tensors inside travel as raw bytes) to a worker."""
-        from . import p2p
+        from phalanx.comm import p2p
 
         return p2p.send(object, dst_group_name, dst_rank, async_op=async_op)
 
@@ -38,7 +38,7 @@ class CommMixin:
         timeout: float | None = None,
     ) -> Any:
         """The next object sent by that worker to this one (a ``Work`` if ``async_op``)."""
-        from . import p2p
+        from phalanx.comm import p2p
 
         return p2p.recv(src_group_name, src_rank, async_op=async_op, timeout=timeout)
 
@@ -50,7 +50,7 @@ class CommMixin:
         async_op: bool = False,
     ) -> Work | None:
         """Send one tensor for the receiver's ``recv_tensor`` into its own buffer."""
-        from . import p2p
+        from phalanx.comm import p2p
 
         return p2p.send_tensor(tensor, dst_group_name, dst_rank, async_op=async_op)
 
@@ -63,7 +63,7 @@ class CommMixin:
         timeout: float | None = None,
     ) -> Any:
         """Receive in place into ``tensor``; a dtype/size mismatch raises ``ValueError``."""
-        from . import p2p
+        from phalanx.comm import p2p
 
         return p2p.recv_tensor(tensor, src_group_name, src_rank, async_op=async_op, timeout=timeout)
 
@@ -76,18 +76,18 @@ class CommMixin:
         async_op: bool = False,
     ) -> Any:
         """From this worker to ``groups`` (``[(name, [ranks])]``), or receive from ``src``."""
-        from . import p2p
+        from phalanx.comm import p2p
 
         return p2p.broadcast(object, groups, src_group_name, src_rank, async_op=async_op)
 
     def create_channel(self, name: str, node_id: int = 0, maxsize: int = 0) -> Channel:
         """Create a named channel (a FIFO per key) on node rank ``node_id``."""
-        from .channel import Channel
+        from phalanx.comm.channel import Channel
 
         return Channel.create(name, node_id=node_id, maxsize=maxsize)
 
     def connect_channel(self, name: str) -> Channel:
         """Connect to an existing channel by name."""
-        from .channel import Channel
+        from phalanx.comm.channel import Channel
 
         return Channel.connect(name)

@@ -14,10 +14,10 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from ..address import WorkerAddress
-from .endpoint import get_endpoint
-from .wire import encode, encode_raw
-from .work import Work
+from phalanx._base.address import WorkerAddress
+from phalanx.comm.endpoint import get_endpoint
+from phalanx.comm.wire import encode, encode_raw
+from phalanx.comm.work import Work
 
 
 def peer_name(group: str | WorkerAddress, rank: int | None, arg: str = "group_name") -> str:

@@ -26,7 +26,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .buffers import Recycler, lease
+from phalanx.comm.buffers import Recycler, lease
 
 if TYPE_CHECKING:
     import torch

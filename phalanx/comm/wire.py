@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import CommConfig
+from phalanx.comm.config import CommConfig
 
 INLINE, SHM, GLOO, NCCL, CUDA_IPC = "inline", "shm", "gloo", "nccl", "cuda_ipc"
 

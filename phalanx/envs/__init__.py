@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .config import DEFAULT_POLICY_ID, EnvContext, EnvRunnerGroupConfig
+from phalanx.envs.config import DEFAULT_POLICY_ID, EnvContext, EnvRunnerGroupConfig
 
 __all__ = [
     "DEFAULT_POLICY_ID",
@@ -18,19 +18,19 @@ __all__ = [
 def __getattr__(name: str):
     # torch-heavy modules load on first use
     if name == "EnvRunner":
-        from .env_runner import EnvRunner
+        from phalanx.envs.env_runner import EnvRunner
 
         return EnvRunner
     if name == "EnvRunnerGroup":
-        from .env_runner_group import EnvRunnerGroup
+        from phalanx.envs.env_runner_group import EnvRunnerGroup
 
         return EnvRunnerGroup
     if name == "ActorCritic":
-        from .policy import ActorCritic
+        from phalanx.envs.policy import ActorCritic
 
         return ActorCritic
     if name == "RunningMeanStd":
-        from .normalize import RunningMeanStd
+        from phalanx.envs.normalize import RunningMeanStd
 
         return RunningMeanStd
     raise AttributeError(f"module 'phalanx.envs' has no attribute {name!r}")

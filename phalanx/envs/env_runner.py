@@ -24,10 +24,10 @@ import numpy as np
 import torch
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
-from ..worker import Worker
-from .config import DEFAULT_POLICY_ID, EnvContext, EnvRunnerGroupConfig
-from .normalize import RunningMeanStd
-from .policy import ActorCritic
+from phalanx.envs.config import DEFAULT_POLICY_ID, EnvContext, EnvRunnerGroupConfig
+from phalanx.envs.normalize import RunningMeanStd
+from phalanx.envs.policy import ActorCritic
+from phalanx.worker.worker import Worker
 
 EnvCreator = Callable[[EnvContext], gym.Env]
 

@@ -23,15 +23,15 @@ import numpy as np
 import ray
 import torch
 
-from ..cluster import Cluster
-from ..errors import GroupTimeoutError, WorkerDiedError
-from ..fault import RestartPolicy
-from ..futures import GroupHandle
-from ..group import WorkerGroup
-from ..placement import NodePlacement
-from .config import DEFAULT_POLICY_ID, EnvContext, EnvRunnerGroupConfig
-from .env_runner import EnvCreator, EnvRunner, check_env_id, make_env
-from .normalize import RunningMeanStd
+from phalanx._base.errors import GroupTimeoutError, WorkerDiedError
+from phalanx.envs.config import DEFAULT_POLICY_ID, EnvContext, EnvRunnerGroupConfig
+from phalanx.envs.env_runner import EnvCreator, EnvRunner, check_env_id, make_env
+from phalanx.envs.normalize import RunningMeanStd
+from phalanx.group.fault import RestartPolicy
+from phalanx.group.futures import GroupHandle
+from phalanx.group.group import WorkerGroup
+from phalanx.resources.cluster import Cluster
+from phalanx.resources.placement import NodePlacement
 
 logger = logging.getLogger(__name__)
 
@@ -567,7 +567,7 @@ class EnvRunnerGroup:
         weight layer's ``SyncResult`` (None while a fire-and-forget send is in flight).
         ``global_vars`` are set on every runner (``runner.global_vars``).
         """
-        from ..weights import WeightSender
+        from phalanx.weights import WeightSender
 
         weights = self._weights_from(from_worker_or_learner_group, policies)
         ranks = self._ranks(to_worker_indices, "to_worker_indices")

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from ..data import BatchedDataDict
-from ..worker import Worker
+from phalanx.data import BatchedDataDict
+from phalanx.worker.worker import Worker
 
 
 class GenerationInterface(ABC):
@@ -172,7 +172,7 @@ class HFGenerationWorker(Worker, GenerationInterface):
     # Receiving halves of the policy worker's refit, on the weight-sync layer's blocks.
     # ``self.model`` is also what phalanx.weights.WeightSender refits (any transport).
     def _apply(self, layout: Any, tensors: dict[str, torch.Tensor]) -> bool:
-        from ..weights import apply_weights
+        from phalanx.weights import apply_weights
 
         apply_weights(self, layout, tensors)
         self.weights_updates += 1
@@ -181,7 +181,7 @@ class HFGenerationWorker(Worker, GenerationInterface):
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, Any]) -> bool:
         """Load a full state dict (tensors or arrays, names as in the model) in place."""
-        from ..weights import gather, to_named_tensors
+        from phalanx.weights import gather, to_named_tensors
 
         named = to_named_tensors(state_dict)
         layout, sources = gather(named)
@@ -193,7 +193,7 @@ class HFGenerationWorker(Worker, GenerationInterface):
         ``handles`` maps a device id to a handle; this worker uses the one of its own
         device (a GPU's UUID, or the host on CPU).
         """
-        from ..weights import open_handle, open_views, views
+        from phalanx.weights import open_handle, open_views, views
 
         if not isinstance(handles, dict) or not handles:
             raise ValueError("update_weights_from_ipc_handles: handles must be a non-empty dict")
@@ -226,7 +226,7 @@ class HFGenerationWorker(Worker, GenerationInterface):
 
         import torch.distributed as dist
 
-        from ..weights import new_process_group
+        from phalanx.weights import new_process_group
 
         timeout = datetime.timedelta(seconds=300)
         store = dist.TCPStore(ip, port, world_size, False, timeout=timeout)
@@ -242,7 +242,7 @@ class HFGenerationWorker(Worker, GenerationInterface):
 
         ``info`` is what ``prepare_info_for_collective`` returned (layout, bucket size).
         """
-        from ..weights import receive_stream, views
+        from phalanx.weights import receive_stream, views
 
         group = getattr(self, "model_update_group", None)
         if group is None:

@@ -13,15 +13,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..builder import RayWorkerBuilder
-from ..cluster import Cluster
-from ..data import BatchedDataDict
-from ..group import RayWorkerGroup
-from ..placement import NodePlacement
-from ..sharding import NamedSharding
-from ..virtual_cluster import RayVirtualCluster
-from .loss import LossFunction
-from .policy_worker import check_parallel_config
+from phalanx.data import BatchedDataDict
+from phalanx.group.group import RayWorkerGroup
+from phalanx.group.sharding import NamedSharding
+from phalanx.llm.loss import LossFunction
+from phalanx.llm.policy_worker import check_parallel_config
+from phalanx.resources.cluster import Cluster
+from phalanx.resources.placement import NodePlacement
+from phalanx.resources.virtual_cluster import RayVirtualCluster
+from phalanx.worker.builder import RayWorkerBuilder
 
 DP_AXIS = "data_parallel"
 CP_AXIS = "context_parallel"

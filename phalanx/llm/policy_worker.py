@@ -43,10 +43,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..data import BatchedDataDict
-from ..worker import Worker
-from .loss import LossFunction, valid_token_mask
-from .parallelize import apply_fsdp, apply_tp, check_tp_size, clip_grad_norm
+from phalanx.data import BatchedDataDict
+from phalanx.llm.loss import LossFunction, valid_token_mask
+from phalanx.llm.parallelize import apply_fsdp, apply_tp, check_tp_size, clip_grad_norm
+from phalanx.worker.worker import Worker
 
 _PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PG_TIMEOUT = timedelta(seconds=300)
@@ -495,7 +495,7 @@ class DTensorPolicyWorker(Worker):
         }
 
     def _refit_bucket_bytes(self) -> int:
-        from ..weights.layout import check_sizes
+        from phalanx.weights.layout import check_sizes
 
         return check_sizes(self.cfg.get("refit_buffer_size_mb", 64))
 
@@ -523,7 +523,7 @@ class DTensorPolicyWorker(Worker):
         returned; on CPU they are packed into a shared-memory segment (kept and reused
         across refits) and its name is returned. The handle carries the stream layout.
         """
-        from ..weights import gather
+        from phalanx.weights import gather
 
         if self._held_refit is None:
             raise RuntimeError("get_weights_ipc_handles: call prepare_weights_for_ipc first")
@@ -533,13 +533,13 @@ class DTensorPolicyWorker(Worker):
             raise KeyError(f"get_weights_ipc_handles: unknown keys {missing[:5]}")
         layout, sources = gather({k: self._held_refit[k] for k in keys}, dtype=self.dtype)
         if self.device.type == "cuda":
-            from ..weights import ipc_handle, pack_to_cuda
+            from phalanx.weights import ipc_handle, pack_to_cuda
 
             flat = pack_to_cuda(layout, sources, self.device)
             self._ipc_buffers = [flat]  # alive until the receivers copied (next refit)
             handle = {"kind": "cuda_ipc", "layout": layout, **ipc_handle(flat)}
         else:
-            from ..weights import pack_to_shm
+            from phalanx.weights import pack_to_shm
 
             self._shm_segment = pack_to_shm(layout, sources, self._shm_segment)
             handle = {"kind": "shm", "layout": layout, "name": self._shm_segment.name}
@@ -558,7 +558,7 @@ class DTensorPolicyWorker(Worker):
         if self.device.type == "cuda" or not self._policy_on_one_node():
             info, _ = self.prepare_weights_for_ipc()
             return self.get_weights_ipc_handles([k for k, _ in info]) if self.rank == 0 else None
-        from .shard_pack import stream_layout, write_shards
+        from phalanx.llm.shard_pack import stream_layout, write_shards
 
         self._reshard()
         state = self.model.state_dict()
@@ -582,7 +582,7 @@ class DTensorPolicyWorker(Worker):
 
     def _shared_segment(self, nbytes: int) -> Any:
         """The refit segment every policy rank maps (rank 0 creates it, once per size)."""
-        from ..weights import ShmSegment
+        from phalanx.weights import ShmSegment
 
         seg = self._refit_segment
         if seg is not None and seg.size >= nbytes:
@@ -601,7 +601,7 @@ class DTensorPolicyWorker(Worker):
 
     def prepare_info_for_collective(self) -> dict[str, Any]:
         """The stream layout and bucket size a collective refit uses (every rank calls)."""
-        from ..weights import gather
+        from phalanx.weights import gather
 
         layout, _ = gather(self._full_state_for_refit(), dtype=self.dtype)
         return {"layout": layout, "bucket_bytes": self._refit_bucket_bytes()}
@@ -611,7 +611,7 @@ class DTensorPolicyWorker(Worker):
         as ranks 1..world_size-1). Gloo on CPU, NCCL on GPU."""
         if self.rank != 0:
             return
-        from ..weights import new_process_group
+        from phalanx.weights import new_process_group
 
         store = dist.TCPStore(ip, port, world_size, True, timeout=_PG_TIMEOUT)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -622,7 +622,7 @@ class DTensorPolicyWorker(Worker):
 
     def broadcast_weights_for_collective(self) -> None:
         """Gather the full weights (all policy ranks) and broadcast them from rank 0."""
-        from ..weights import broadcast_stream, gather
+        from phalanx.weights import broadcast_stream, gather
 
         full = self._full_state_for_refit()
         if self.rank != 0:

@@ -33,10 +33,10 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from ..cluster import find_free_port
-from ..group import WorkerGroup
-from ..weights.sender import ping
-from .policy import Policy
+from phalanx.group.group import WorkerGroup
+from phalanx.llm.policy import Policy
+from phalanx.resources.cluster import find_free_port
+from phalanx.weights.sender import ping
 
 TRANSPORTS = ("ipc", "collective", "object_store", "shm")
 
@@ -70,7 +70,7 @@ class Refitter:
         self._handles: dict[str, Any] | None = None
         self.refits = 0
         if transport in ("ipc", "collective"):  # the WeightSender registers its own
-            generation._weights_restore = self._restore
+            generation.add_restart_hook(self._restore)
 
     def _collective_members(self) -> dict[tuple[str, int], Any]:
         """The actors a collective refit group spans: policy rank 0 and every generator."""
@@ -94,8 +94,8 @@ class Refitter:
         a.wait(timeout=t)
         b.wait(timeout=t)
         bound = [(r, (self.peer_timeout_s,), {}) for r in range(gen.world_size)]
-        gen._call("bound_refit_group", bound, fn=_bound_refit_group).wait(timeout=t)
-        pg._call("bound_refit_group", bound[:1], fn=_bound_refit_group).wait(timeout=t)
+        gen.apply(_bound_refit_group, bound, label="bound_refit_group").wait(timeout=t)
+        pg.apply(_bound_refit_group, bound[:1], label="bound_refit_group").wait(timeout=t)
         self._info = pg.call("prepare_info_for_collective").wait(timeout=t)[0]
         self._members = members
 
@@ -136,7 +136,7 @@ class Refitter:
         elif self.transport == "collective":
             self._refit_collective()
         else:
-            from ..weights import WeightSender
+            from phalanx.weights import WeightSender
 
             if self._sender is None:
                 self._sender = WeightSender(gen, transport=self.transport, timeout_s=t)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ..weights import Layout, gather
+from phalanx.weights import Layout, gather
 
 
 def stream_layout(state: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Layout:

@@ -133,7 +133,7 @@ def encode_prompts(tokenizer, prompts: Sequence[str]) -> tuple[torch.Tensor, tor
 
 def sft_batch(tokenizer, pairs: Sequence[tuple[str, str]]):
     """A supervised batch: prompt + answer + eos, loss on the answer and eos only."""
-    from ..data import BatchedDataDict
+    from phalanx.data import BatchedDataDict
 
     seqs, masks = [], []
     for prompt, answer in pairs:

@@ -12,7 +12,7 @@ importing the receiver mixin (part of every worker) does not pull in torch.
 
 from __future__ import annotations
 
-from .._lazy import lazy_exports
+from phalanx._base.lazy import lazy_exports
 
 _LAZY = {
     "WeightSender": ".sender",

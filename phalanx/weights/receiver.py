@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from .layout import Layout
+    from phalanx.weights.layout import Layout
 
 
 class WeightMismatchError(ValueError):
@@ -200,7 +200,7 @@ def handle(host: Any, op: str, *args: Any) -> Any:
         transport, version, layout, payload, timeout = args
         return _receive_and_apply(host, transport, version, layout, payload, timeout)
     if op in ("collective_join", "collective_drop"):
-        from .transports import collective
+        from phalanx.weights.transports import collective
 
         return getattr(collective, op.removeprefix("collective_"))(host, *args)
     raise ValueError(f"unknown weights operation {op!r}")
@@ -209,15 +209,15 @@ def handle(host: Any, op: str, *args: Any) -> Any:
 def _receive_and_apply(
     host: Any, transport: str, version: int, layout: Layout, payload: Any, timeout: float | None
 ) -> dict[str, Any]:
-    from .lock import model_lock
-    from .transports import receive
+    from phalanx.weights.lock import model_lock
+    from phalanx.weights.transports import receive
 
     obj = host._obj
     timers = host._timers
     stale = version <= getattr(obj, "_px_weights_version", 0)
     t0 = time.perf_counter()
     if transport == "collective" and not stale:
-        from .transports.collective import apply_in_place
+        from phalanx.weights.transports.collective import apply_in_place
 
         with timers.span("weights/transfer"):
             status = apply_in_place(host, version, layout, payload, model_lock(host))

@@ -21,9 +21,9 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from ..group import WorkerGroup
-from ..timing import TimerRecorder
-from .layout import (
+from phalanx._base.timing import TimerRecorder
+from phalanx.group.group import WorkerGroup
+from phalanx.weights.layout import (
     Layout,
     check_dtype,
     check_name_map,
@@ -33,11 +33,11 @@ from .layout import (
     to_named_tensors,
     views,
 )
-from .receiver import WeightMismatchError
-from .transports import TRANSPORTS
-from .transports import collective as _coll
-from .transports import object_store as _os
-from .transports import shm as _shm
+from phalanx.weights.receiver import WeightMismatchError
+from phalanx.weights.transports import TRANSPORTS
+from phalanx.weights.transports import collective as _coll
+from phalanx.weights.transports import object_store as _os
+from phalanx.weights.transports import shm as _shm
 
 _PING_TIMEOUT_S = 10.0
 _LATE = "did not apply within"  # a worker still busy: no re-send, it may yet apply
@@ -144,7 +144,7 @@ class WeightSender:
         self._coll_snapshot: torch.Tensor | None = None  # send_async snapshot, reused
         # Start above whatever the workers already hold (e.g. from an earlier sender).
         self._version = max(self._query_versions(group.actors), default=0)
-        group._weights_restore = self._restore
+        self._remove_hook = group.add_restart_hook(self._restore)
         self._finalizer = weakref.finalize(self, WeightSender._cleanup, self.__dict__)
 
     # ------------------------------------------------------------------ public API
@@ -289,7 +289,7 @@ class WeightSender:
         kinds = set(route.values())
         payloads: dict[str, Any] = {}
         if "cuda_ipc" in kinds:
-            from .transports import cuda_ipc
+            from phalanx.weights.transports import cuda_ipc
 
             flat = cuda_ipc.pack_to_cuda(p.layout, p.sources, p.sources[0].device)
             p.keep = flat

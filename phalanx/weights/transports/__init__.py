@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from ..layout import Layout
+    from phalanx.weights.layout import Layout
 
 TRANSPORTS = ("auto", "object_store", "shm", "collective")
 
@@ -23,13 +23,13 @@ def receive(
 ) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
     """Make a payload's tensors available on this worker (views where possible)."""
     if transport == "object_store":
-        from .object_store import receive as fn
+        from phalanx.weights.transports.object_store import receive as fn
     elif transport == "shm":
-        from .shm import receive as fn
+        from phalanx.weights.transports.shm import receive as fn
     elif transport == "cuda_ipc":
-        from .cuda_ipc import receive as fn
+        from phalanx.weights.transports.cuda_ipc import receive as fn
     elif transport == "collective":
-        from .collective import receive as fn
+        from phalanx.weights.transports.collective import receive as fn
     else:
         raise ValueError(f"unknown transport {transport!r}")
     return fn(host, layout, payload, skip)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..layout import Layout, as_bytes, pack_range, unpack_range, views
+from phalanx.weights.layout import Layout, as_bytes, pack_range, unpack_range, views
 
 _DIRECT_MIN = 1 << 20
 
@@ -269,7 +269,7 @@ def apply_in_place(
     transfer that breaks midway raises with the version unclaimed and
     ``_px_weights_torn`` set (see the module docstring).
     """
-    from ..receiver import _module_of, copy_aliases, target_tensors, validate
+    from phalanx.weights.receiver import _module_of, copy_aliases, target_tensors, validate
 
     obj = host._obj
     try:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..layout import Layout, pack_range, views
+from phalanx.weights.layout import Layout, pack_range, views
 
 
 def pack_to_cuda(layout: Layout, sources: list[torch.Tensor], device: torch.device) -> torch.Tensor:

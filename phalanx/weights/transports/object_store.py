@@ -25,7 +25,7 @@ import numpy as np
 import ray
 import torch
 
-from ..layout import Layout, as_bytes, pack_range, views
+from phalanx.weights.layout import Layout, as_bytes, pack_range, views
 
 
 def needs_packing(layout: Layout, sources: list[torch.Tensor]) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..layout import Layout, pack_range, views
+from phalanx.weights.layout import Layout, pack_range, views
 
 SHM_DIR = "/dev/shm"
 

@@ -1,0 +1,71 @@
+"""The ``phalanx`` command line.
+
+Each subcommand lives in its own module, imported only when used; a module provides
+``add_arguments(parser)`` and ``run(args) -> int``:
+
+    phalanx demo                      runtime demonstration (phalanx.cli.demo)
+    phalanx train ppo ...             PPO on gymnasium (phalanx.algorithms.ppo)
+    phalanx train grpo ...            GRPO on a small language model (phalanx.algorithms.grpo)
+    phalanx eval runs/<name>          evaluate a saved policy (phalanx.algorithms.evaluate)
+    phalanx report runs/<name>        summary table and plots of a run (phalanx.cli.report)
+    phalanx status                    live phalanx groups on the Ray cluster (phalanx.cli.status)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+_COMMANDS = {
+    "demo": ("phalanx.cli.demo", "run a short demonstration of the runtime on the embedded Ray"),
+    "eval": ("phalanx.algorithms.evaluate", "run a saved policy and print its mean return"),
+    "report": ("phalanx.cli.report", "summarise a run: table in the terminal, PNG plots"),
+    "status": ("phalanx.cli.status", "list live phalanx groups on the current Ray cluster"),
+}
+_TRAIN = {
+    "ppo": ("phalanx.algorithms.ppo", "PPO on a gymnasium environment"),
+    "grpo": ("phalanx.algorithms.grpo", "GRPO on a small local language model"),
+}
+
+
+def _module(path: str):
+    try:
+        return importlib.import_module(path)
+    except ModuleNotFoundError as e:
+        if e.name == path:
+            return None
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="phalanx", description="Distributed RL runtime on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (path, help_text) in _COMMANDS.items():
+        mod = _module(path)
+        if mod is None:
+            continue
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    train = sub.add_parser(
+        "train", help="train with an algorithm", description="Train with an algorithm."
+    )
+    algos = train.add_subparsers(dest="algorithm", required=True)
+    for name, (path, help_text) in _TRAIN.items():
+        mod = _module(path)
+        if mod is None:
+            continue
+        p = algos.add_parser(name, help=help_text, description=help_text)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

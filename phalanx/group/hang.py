@@ -1,0 +1,311 @@
+"""Hang reports: where the stuck ranks of a group call are, at the moment it timed out.
+
+Stacks are taken through the host's ``_px_stacks`` method, which runs in the control
+concurrency group and so does not queue behind the stuck call. A rank that does not
+answer that (its process holds the GIL in native code, say) is dumped with ``py-spy``
+when it is installed and the worker runs on this node.
+
+A report is written to a file (``$PHALANX_HANG_DIR``, default ``<tmp>/phalanx_hangs``)
+and raised as :class:`HangTimeoutError` (a ``TimeoutError``) whose message gives its path.
+:class:`Watchdog` prints the same report for any call of a group that runs longer than N
+seconds (``group.set_watchdog(N)``, or ``PHALANX_WATCHDOG_S=N`` for every group).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from phalanx._base.errors import GroupTimeoutError
+
+if TYPE_CHECKING:
+    from phalanx.group.futures import GroupHandle
+    from phalanx.group.group import WorkerGroup
+
+STACKS_TIMEOUT_S = 5.0
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_PYSPY_FRAME = re.compile(r"^\s+(\S+) \(([^)]+:\d+)\)$", re.MULTILINE)
+
+
+def hang_dir() -> str:
+    """Where hang reports are written."""
+    return os.environ.get("PHALANX_HANG_DIR") or os.path.join(
+        tempfile.gettempdir(), "phalanx_hangs"
+    )
+
+
+@dataclass
+class HangReport:
+    """Stacks of the ranks of one group call that had not finished after ``elapsed_s``."""
+
+    group: str
+    method: str
+    elapsed_s: float
+    pending_ranks: list[int]
+    stacks: dict[int, str] = field(default_factory=dict)
+    workers: dict[int, dict[str, Any]] = field(default_factory=dict)
+    path: str = ""
+
+    def text(self) -> str:
+        lines = [
+            f"phalanx hang report: {self.group}.{self.method}() still running after "
+            f"{self.elapsed_s:.1f}s on ranks {self.pending_ranks}",
+            f"taken at {time.strftime('%Y-%m-%d %H:%M:%S')}",
+        ]
+        for rank in self.pending_ranks:
+            w = self.workers.get(rank, {})
+            lines.append("")
+            lines.append(
+                f"=== rank {rank} (actor {w.get('name', '?')}, pid {w.get('pid', '?')}, "
+                f"node {w.get('node_ip', '?')}) ==="
+            )
+            lines.append(self.stacks.get(rank, "(no stack)").rstrip())
+        return "\n".join(lines) + "\n"
+
+    def innermost(self, rank: int) -> str:
+        """The innermost frame of the thread running the call (best guess), as text."""
+        stack = self.stacks.get(rank, "")
+        best = ""
+        if stack.startswith("(py-spy)"):
+            # py-spy lists each thread's frames innermost first: "    fn (file.py:12)".
+            for block in stack.split("\nThread "):
+                if "_px_call" in block or "_px_apply" in block or "_px_stream" in block:
+                    frames = _PYSPY_FRAME.findall(block)
+                    if frames:
+                        fn, where = frames[0]
+                        best = f"{fn} ({os.path.basename(where)})"
+            return best
+        for block in stack.split("--- thread "):
+            if "_px_call" in block or "_px_apply" in block or "_px_stream" in block:
+                frames = _FRAME.findall(block)
+                if frames:
+                    f, line, fn = frames[-1]
+                    best = f"{fn} ({os.path.basename(f)}:{line})"
+        return best
+
+    def write(self, directory: str | None = None) -> str:
+        directory = directory or hang_dir()
+        os.makedirs(directory, exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{self.group}-{self.method}")
+        fd, path = tempfile.mkstemp(prefix=f"{safe}-{stamp}-", suffix=".txt", dir=directory)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.text())
+        self.path = path
+        return path
+
+
+class HangTimeoutError(GroupTimeoutError):
+    """A group call timed out; ``report`` (and the file at ``report_path``) has the stacks.
+
+    ``results`` maps each rank that did finish to its result (or its exception).
+    """
+
+    def __init__(
+        self,
+        group: str,
+        method: str,
+        pending_ranks: list[int],
+        timeout: float,
+        report: str = "",
+        report_path: str = "",
+        results: dict[int, Any] | None = None,
+        where: dict[int, str] | None = None,
+    ):
+        self.report_path = report_path
+        self.results = dict(results or {})
+        self.where = dict(where or {})
+        super().__init__(group, method, pending_ranks, timeout, report)
+        stuck = ", ".join(f"rank {r} in {w}" for r, w in self.where.items() if w)
+        text = (
+            f"{group}.{method}() did not finish within {timeout}s on ranks {self.pending_ranks}"
+            f"{'; stuck: ' + stuck if stuck else ''}; hang report with their stacks: "
+            f"{report_path or '(not written)'}"
+        )
+        self.args = (text,)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+    def __reduce__(self):
+        return (
+            type(self),
+            (
+                self.group,
+                self.method,
+                self.pending_ranks,
+                self.timeout,
+                self.report,
+                self.report_path,
+                {},
+                self.where,
+            ),
+        )
+
+
+def collect_stacks(
+    group: WorkerGroup, ranks: list[int], timeout_s: float = STACKS_TIMEOUT_S
+) -> dict[int, str]:
+    """Python stacks of every thread of each rank's process, taken now."""
+    refs = {}
+    for r in ranks:
+        try:
+            refs[r] = group._actors[r]._px_stacks.remote()
+        except Exception as e:  # noqa: BLE001
+            refs[r] = e
+    out: dict[int, str] = {}
+    plain = [v for v in refs.values() if isinstance(v, ray.ObjectRef)]
+    if plain:
+        ray.wait(plain, num_returns=len(plain), timeout=timeout_s, fetch_local=True)
+    for r, ref in refs.items():
+        if isinstance(ref, BaseException):
+            out[r] = f"(stacks unavailable: {ref})"
+            continue
+        try:
+            out[r] = ray.get(ref, timeout=0.5)
+        except Exception as e:  # noqa: BLE001 - fall back to py-spy below
+            out[r] = _py_spy(group, r) or f"(stacks unavailable: {type(e).__name__})"
+    return out
+
+
+def _py_spy(group: WorkerGroup, rank: int) -> str:
+    exe = shutil.which("py-spy")
+    meta = group._worker_metadata[rank] if rank < len(group._worker_metadata) else {}
+    pid = meta.get("pid")
+    if not exe or not pid:
+        return ""
+    try:
+        here = ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001
+        here = None
+    if meta.get("ray_node_id") not in (None, here):
+        return ""
+    try:
+        proc = subprocess.run(
+            [exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=15
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"(py-spy failed: {e})"
+    return "(py-spy)\n" + (proc.stdout or proc.stderr)
+
+
+def build_report(
+    group: WorkerGroup, method: str, pending: list[int], elapsed_s: float
+) -> HangReport:
+    """Take the stacks of ``pending`` ranks and write the report file."""
+    meta = group._worker_metadata
+    report = HangReport(
+        group=group.name,
+        method=method,
+        elapsed_s=elapsed_s,
+        pending_ranks=list(pending),
+        stacks=collect_stacks(group, pending),
+        workers={r: meta[r] for r in pending if r < len(meta)},
+    )
+    report.write()
+    return report
+
+
+def timeout_error(
+    group: WorkerGroup,
+    method: str,
+    pending: list[int],
+    timeout: float,
+    results: dict[int, Any] | None = None,
+) -> HangTimeoutError:
+    """The error raised when a call given ``timeout`` did not finish on ``pending``."""
+    report = build_report(group, method, pending, timeout)
+    return HangTimeoutError(
+        group.name,
+        method,
+        pending,
+        timeout,
+        report.text(),
+        report.path,
+        results,
+        {r: report.innermost(r) for r in pending},
+    )
+
+
+class Watchdog:
+    """Prints a hang report for each call of a group that runs longer than ``after_s``.
+
+    Each call is reported once. The check runs on a daemon thread every
+    ``min(1, after_s / 4)`` seconds and only asks Ray whether a call is done.
+    """
+
+    def __init__(self, group: WorkerGroup, after_s: float, stream: Any = None):
+        if isinstance(after_s, bool) or not isinstance(after_s, (int, float)) or after_s <= 0:
+            raise ValueError(f"after_s must be a positive number of seconds, got {after_s!r}")
+        self.group_ref = weakref.ref(group)
+        self.after_s = float(after_s)
+        self.stream = stream
+        self.reports: list[HangReport] = []
+        self._calls: list[tuple[float, GroupHandle]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="phalanx-watchdog", daemon=True)
+        self._thread.start()
+
+    def track(self, handle: GroupHandle) -> None:
+        with self._lock:
+            self._calls.append((time.monotonic(), handle))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        period = min(1.0, self.after_s / 4)
+        while not self._stop.wait(period):
+            group = self.group_ref()
+            if group is None or not ray.is_initialized():
+                return
+            now = time.monotonic()
+            with self._lock:
+                calls, self._calls = self._calls, []
+            keep = []
+            for started, handle in calls:
+                pending = _pending_ranks(handle)
+                if not pending:
+                    continue
+                if now - started < self.after_s:
+                    keep.append((started, handle))
+                    continue
+                try:
+                    report = build_report(group, handle.method, pending, now - started)
+                except Exception as e:  # noqa: BLE001 - a watchdog must not die
+                    print(f"[phalanx watchdog] could not build a report: {e}", file=sys.stderr)
+                    continue
+                self.reports.append(report)
+                out = self.stream or sys.stderr
+                print(f"[phalanx watchdog] report written to {report.path}", file=out)
+                print(report.text(), file=out, flush=True)
+            with self._lock:
+                self._calls[:0] = keep
+
+
+def _pending_ranks(handle: GroupHandle) -> list[int]:
+    refs = handle.refs
+    if not all(isinstance(r, ray.ObjectRef) for r in refs):
+        return [
+            rk for rk, g in zip(handle.ranks, refs) if not getattr(g, "is_finished", lambda: True)()
+        ]
+    if not refs:
+        return []
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+    done = set(ready)
+    return [rk for rk, r in zip(handle.ranks, refs) if r not in done]
+
+
+__all__ = ["HangReport", "HangTimeoutError", "Watchdog", "collect_stacks", "build_report"]

@@ -1,0 +1,306 @@
+"""The Ray actor that hosts one worker object and runs every group call on it.
+
+All faces of a group end in ``_px_call`` (or ``_px_stream`` for generators, ``_px_apply``
+for functions given to ``foreach_worker``). Keeping one entry point gives one place for
+error wrapping, timers, tracing and weight application between calls. Control calls
+(ping, stacks) run in their own concurrency group so a stuck method cannot block them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import importlib
+import inspect
+import io
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import ray
+
+from phalanx._base import trace as _trace
+from phalanx._base.errors import WorkerError
+from phalanx._base.timing import TimerRecorder
+from phalanx.weights.lock import holds_model_lock
+from phalanx.worker.worker import BASE_ATTRIBUTES, Worker, WorkerContext
+
+CONTROL_GROUP = "_px_control"
+WEIGHTS_GROUP = "_px_weights"  # weight transfers run here; applying waits for calls to end
+
+
+def load_class(cls_or_fqn: Any) -> type:
+    """The worker class from a class, a ``@ray.remote`` class, or ``"pkg.module.Class"``."""
+    if isinstance(cls_or_fqn, str):
+        module_name, _, class_name = cls_or_fqn.rpartition(".")
+        if not module_name:
+            raise ValueError(f"worker class must be 'module.Class', got {cls_or_fqn!r}")
+        cls = getattr(importlib.import_module(module_name), class_name)
+    else:
+        cls = cls_or_fqn
+    # A @ray.remote-decorated class: host the plain class it wraps.
+    inner = getattr(cls, "__ray_actor_class__", None)
+    return inner if inner is not None else cls
+
+
+def method_kinds(cls: type) -> dict[str, str]:
+    """Public methods of a worker class: name -> sync | async | gen | asyncgen."""
+    kinds = {}
+    for name in dir(cls):
+        if name.startswith("_") or name in BASE_ATTRIBUTES:
+            continue
+        attr = inspect.getattr_static(cls, name)
+        if isinstance(attr, (staticmethod, classmethod)):
+            attr = attr.__func__
+        if not callable(attr) or isinstance(attr, type):
+            continue
+        if inspect.isasyncgenfunction(attr):
+            kinds[name] = "asyncgen"
+        elif inspect.iscoroutinefunction(attr):
+            kinds[name] = "async"
+        elif inspect.isgeneratorfunction(attr):
+            kinds[name] = "gen"
+        else:
+            kinds[name] = "sync"
+    return kinds
+
+
+class WorkerHost:
+    """Hosts the user's worker object inside a Ray actor process."""
+
+    def __init__(self, cls_or_fqn: Any, ctx: WorkerContext, args: tuple, kwargs: dict):
+        os.environ.update(ctx.env)
+        os.environ.update(ctx.rank_env())
+        self._ctx = ctx
+        self._timers = TimerRecorder()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_lock = threading.Lock()
+        self._current: tuple[str, float] | None = None
+        self._started_at = time.time()
+        self._exiting = threading.Event()  # set when a method calls sys.exit (see _px_watch)
+        cls = load_class(cls_or_fqn)
+        self._cls = cls
+        self._kinds = method_kinds(cls)
+        obj = cls.__new__(cls)
+        if isinstance(obj, Worker):
+            obj._px_bind(ctx, self._timers)
+        _trace.init_worker(ctx.group_name, ctx.rank, self._timers)
+        try:
+            obj.__init__(*args, **kwargs)
+        except Exception as e:
+            raise WorkerError(
+                ctx.group_name,
+                ctx.rank,
+                "__init__",
+                traceback.format_exc(),
+                type(e).__name__,
+                str(e),
+            ) from None
+        self._obj = obj
+
+    # -- calls ------------------------------------------------------------------------
+    def _px_describe(self) -> dict[str, Any]:
+        gpu_ids = []
+        try:
+            gpu_ids = [int(g) for g in ray.get_gpu_ids()]
+        except Exception:  # noqa: BLE001
+            pass
+        return {
+            "methods": self._kinds,
+            "class": f"{self._cls.__module__}.{self._cls.__qualname__}",
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ray_gpu_ids": gpu_ids,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        }
+
+    @holds_model_lock
+    def _px_call(self, _px_method__: str, *args: Any, **kwargs: Any) -> Any:
+        # Arguments travel as top-level task arguments: Ray resolves ObjectRefs among
+        # them, and a call without arguments costs one small argument (the name).
+        fn = self._resolve(_px_method__)
+        return self._invoke(_px_method__, lambda: fn(*args, **kwargs), args, kwargs)
+
+    @holds_model_lock
+    def _px_stream(self, _px_method__: str, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        method = _px_method__
+        fn = self._resolve(method)
+        self._current = (method, time.time())
+        t0 = _trace.call_begin() if _trace.ON else 0.0
+        try:
+            if self._kinds.get(method) == "asyncgen":
+                agen = fn(*args, **kwargs)
+                while True:
+                    try:
+                        yield self._run_coro(agen.__anext__())
+                    except StopAsyncIteration:
+                        return
+            else:
+                yield from fn(*args, **kwargs)
+        except SystemExit:
+            self._exiting.set()
+            raise
+        except Exception as e:
+            raise self._error(method, e) from None
+        finally:
+            self._current = None
+            if t0:
+                _trace.worker_call(method, t0, args, kwargs, None)
+
+    @holds_model_lock
+    def _px_apply(self, _px_fn__: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(worker, *args, **kwargs)`` (RLlib's ``foreach_worker`` with a function)."""
+        fn = _px_fn__
+        name = getattr(fn, "__name__", "function")
+        return self._invoke(name, lambda: fn(self._obj, *args, **kwargs), args, kwargs)
+
+    def _invoke(self, name: str, run: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
+        """Run one call (awaiting it if it is a coroutine) with error wrapping and tracing."""
+        self._current = (name, time.time())
+        t0 = _trace.call_begin() if _trace.ON else 0.0
+        out = None
+        try:
+            out = run()
+            if inspect.iscoroutine(out):
+                out = self._run_coro(out)
+            return out
+        except SystemExit:
+            self._exiting.set()
+            raise
+        except Exception as e:
+            raise self._error(name, e) from None
+        finally:
+            self._current = None
+            if t0:
+                _trace.worker_call(name, t0, args, kwargs, out)
+
+    def _px_pop_durations(self) -> dict[str, float]:
+        return self._timers.consume()
+
+    @ray.method(concurrency_group=WEIGHTS_GROUP)
+    def _px_weights(self, op: str, *args: Any) -> Any:
+        """Weight sync on this worker (see ``phalanx.weights.receiver``)."""
+        from phalanx.weights.receiver import handle
+
+        return handle(self, op, *args)
+
+    # -- control (own concurrency group) ------------------------------------------------
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def _px_ping(self) -> int:
+        return os.getpid()
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def _px_trace(self, op: str, *args: Any) -> Any:
+        """Tracing control from the driver: enable, disable, collect, clock (phalanx._base.trace)."""
+        return _trace.worker_op(op, *args)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def _px_status(self) -> dict[str, Any]:
+        """What ``phalanx status`` shows of this worker: identity and the call running now."""
+        current = self._current
+        return {
+            "group": self._ctx.group_name,
+            "rank": self._ctx.rank,
+            "world_size": self._ctx.world_size,
+            "class": f"{self._cls.__module__}.{self._cls.__qualname__}",
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": self._ctx.node_ip,
+            "started_at": self._started_at,
+            "current": None if current is None else {"method": current[0], "since": current[1]},
+        }
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def _px_watch(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s``; True when the worker is exiting (sys.exit in a method).
+
+        The driver's health monitor keeps one such call open per worker: it fails the
+        moment the actor dies. Returning early on exit lets the process end at once.
+        """
+        return self._exiting.wait(timeout_s)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    def _px_stacks(self) -> str:
+        """Python stacks of every thread of this process, now."""
+        buf = io.StringIO()
+        names = {t.ident: t.name for t in threading.enumerate()}
+        for ident, frame in sys._current_frames().items():
+            buf.write(f"--- thread {names.get(ident, ident)} ---\n")
+            buf.write("".join(traceback.format_stack(frame)))
+        return buf.getvalue()
+
+    # -- helpers ------------------------------------------------------------------------
+    def _resolve(self, method: str) -> Callable[..., Any]:
+        try:
+            return getattr(self._obj, method)
+        except AttributeError:
+            raise WorkerError(
+                self._ctx.group_name,
+                self._ctx.rank,
+                method,
+                "",
+                "AttributeError",
+                f"{type(self._obj).__name__} has no method {method!r}",
+            ) from None
+
+    def _error(self, method: str, e: Exception) -> WorkerError:
+        if isinstance(e, WorkerError):
+            return e
+        return WorkerError(
+            self._ctx.group_name,
+            self._ctx.rank,
+            method,
+            traceback.format_exc(),
+            type(e).__name__,
+            str(e),
+        )
+
+    def _run_coro(self, coro: Any) -> Any:
+        """Run a coroutine on this worker's own event loop thread (created on first use)."""
+        with self._loop_lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(
+                    target=self._loop.run_forever, name="phalanx-loop", daemon=True
+                ).start()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+
+faulthandler.enable()
+
+
+def host_class_for(cls: type) -> type:
+    """A ``WorkerHost`` subclass with one actor method per public method of ``cls``.
+
+    ``actor.hello.remote()`` then costs exactly what a plain Ray actor call costs (no extra
+    argument naming the method); each trampoline enters the same ``_px_call`` path.
+    """
+    namespace: dict[str, Any] = {
+        "__module__": __name__,
+        "__qualname__": f"Host[{cls.__qualname__}]",
+    }
+    for name, kind in method_kinds(cls).items():
+        if hasattr(WorkerHost, name):
+            continue  # never shadow the host's own machinery
+        namespace[name] = _trampoline(name, kind)
+    return type(f"Host_{cls.__name__}", (WorkerHost,), namespace)
+
+
+def _trampoline(name: str, kind: str) -> Callable[..., Any]:
+    if kind in ("gen", "asyncgen"):
+
+        def stream(self: WorkerHost, *args: Any, **kwargs: Any) -> Iterator[Any]:
+            yield from self._px_stream(name, *args, **kwargs)
+
+        stream.__name__ = name
+        return stream
+
+    def call(self: WorkerHost, *args: Any, **kwargs: Any) -> Any:
+        return self._px_call(name, *args, **kwargs)
+
+    call.__name__ = name
+    return call

@@ -1,0 +1,177 @@
+"""PPO on CartPole with phalanx env runners: learning, fault tolerance, checkpoints, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+import torch
+
+from phalanx.algorithms.ppo import PPOConfig, build_policy, gae, load_checkpoint, train
+from phalanx.cli.main import main
+from phalanx.observe.metrics import read_metrics
+
+
+def _cfg(tmp_path, **kw) -> PPOConfig:
+    base = dict(name="t", runs_dir=str(tmp_path), num_env_runners=1, max_timesteps=2048)
+    return PPOConfig.for_env(kw.pop("env", "CartPole-v1"), **{**base, **kw})
+
+
+@pytest.mark.timeout(30)
+def test_bad_config_names_the_option(tmp_path):
+    with pytest.raises(ValueError, match="minibatch_size=9999 is larger than the batch"):
+        _cfg(tmp_path, minibatch_size=9999).validate()
+    with pytest.raises(ValueError, match="env: unknown gymnasium env id"):
+        _cfg(tmp_path, env="Nope-v0").validate()
+    with pytest.raises(ValueError, match="gamma"):
+        _cfg(tmp_path, gamma=1.5).validate()
+    with pytest.raises(TypeError, match="update_epochs"):
+        _cfg(tmp_path, update_epochs=2.5).validate()
+    with pytest.raises(ValueError, match="unknown PPO config keys"):
+        PPOConfig.from_dict({"lr": 1.0})
+
+
+@pytest.mark.timeout(30)
+def test_gae_bootstraps_truncation_only():
+    T = 3
+    b = {
+        "rewards": np.ones((T, 1), np.float32),
+        "values": np.full((T, 1), 2.0, np.float32),
+        "terminateds": np.array([[False], [False], [False]]),
+        "truncateds": np.array([[False], [True], [False]]),
+        "final_values": np.array([[0.0], [10.0], [0.0]], np.float32),
+        "last_values": np.array([5.0], np.float32),
+    }
+    adv, ret = gae(b, gamma=0.5, lam=1.0)
+    # t=2: 1 + 0.5*5 - 2 = 1.5; t=1 (truncated, bootstrap V(final)=10): 1 + 0.5*10 - 2 = 4;
+    # t=0: delta 1 + 0.5*2 - 2 = 0, plus 0.5*4 = 2
+    np.testing.assert_allclose(adv[:, 0], [2.0, 4.0, 1.5])
+    np.testing.assert_allclose(ret, adv + b["values"])
+    b["terminateds"], b["truncateds"] = b["truncateds"], b["terminateds"]  # terminated instead
+    adv, _ = gae(b, gamma=0.5, lam=1.0)
+    np.testing.assert_allclose(adv[:, 0], [0.0 + 0.5 * -1.0, -1.0, 1.5])
+
+
+@pytest.mark.timeout(150)
+def test_ppo_beats_random_on_cartpole(cluster, tmp_path):
+    cfg = _cfg(tmp_path, num_env_runners=2, max_timesteps=60_000, stop_return=200.0)
+    out = train(cfg, cluster=cluster, progress=False)
+    # a random policy averages ~22 on CartPole-v1
+    assert out["return_mean_recent"] >= 200.0, out
+    assert out["reached_stop_return"]
+    rows = read_metrics(tmp_path / "t")
+    assert rows[0]["return_mean_recent"] < 60
+    assert {"loss/policy", "loss/value", "throughput/steps_per_s", "restarts"} <= set(rows[-1])
+    assert (tmp_path / "t" / "learning_curve.png").stat().st_size > 1000
+
+
+@pytest.mark.timeout(150)
+def test_killed_runner_restarts_and_training_completes(cluster, tmp_path):
+    killed = []
+
+    def kill_once(metrics, runners):
+        if metrics["iteration"] == 2 and not killed:
+            pid = runners.foreach_worker(lambda w: os.getpid(), remote_worker_ids=[1])[0]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        # stop once the restarted runner delivered a batch again
+        return metrics["restarts"] >= 1 and metrics["batch_runners"] == 2
+
+    cfg = _cfg(tmp_path, num_env_runners=2, max_timesteps=400_000, anneal_lr=False)
+    out = train(cfg, cluster=cluster, progress=False, on_iteration=kill_once)
+    assert killed and out["stopped_by_callback"], out
+    assert out["restarts"] >= 1
+    rows = read_metrics(tmp_path / "t")
+    assert min(r["batch_runners"] for r in rows) == 1  # the round it died in went on without it
+    rows = read_metrics(tmp_path / "t")
+    assert rows[-1]["restarts"] >= 1 and rows[-1]["healthy_env_runners"] == 2
+    assert rows[-1]["batch_runners"] == 2  # the restarted runner samples again
+
+
+@pytest.mark.timeout(150)
+def test_async_sampling_is_one_version_behind(cluster, tmp_path):
+    cfg = _cfg(tmp_path, num_env_runners=1, max_timesteps=2048, async_sampling=True)
+    train(cfg, cluster=cluster, progress=False)
+    rows = read_metrics(tmp_path / "t")
+    assert rows[0]["policy_lag"] == 0
+    assert [r["policy_lag"] for r in rows[1:]] == [1] * (len(rows) - 1)
+    assert [r["weights_version"] for r in rows] == sorted(r["weights_version"] for r in rows)
+
+
+@pytest.mark.timeout(150)
+def test_checkpoint_resume_continues(cluster, tmp_path):
+    cfg = _cfg(tmp_path, max_timesteps=1024, normalize_observations=True)
+    train(cfg, cluster=cluster, progress=False)
+    ck1 = load_checkpoint(tmp_path / "t")
+    assert ck1["timesteps"] == 1024 and ck1["connector"]["obs_norm"]["count"] > 1000
+    with pytest.raises(ValueError, match="--resume"):
+        train(cfg, cluster=cluster, progress=False)
+    # resuming at the budget trains nothing: the same policy comes back out
+    train(cfg, resume=True, cluster=cluster, progress=False)
+    ck2 = load_checkpoint(tmp_path / "t")
+    for k, v in ck1["policy"].items():
+        torch.testing.assert_close(ck2["policy"][k], v)
+    np.testing.assert_allclose(
+        ck2["connector"]["obs_norm"]["mean"], ck1["connector"]["obs_norm"]["mean"]
+    )
+    policy = build_policy(cfg, ck2["observation_space"], ck2["action_space"])
+    policy.load_state_dict(ck2["policy"])
+    # a longer budget continues the step count
+    cfg.max_timesteps = 2048
+    out = train(cfg, resume=True, cluster=cluster, progress=False)
+    assert out["timesteps"] == 2048
+    steps = [r["timesteps"] for r in read_metrics(tmp_path / "t")]
+    assert steps == sorted(steps) and steps[-1] == 2048 and 1024 in steps
+    assert load_checkpoint(tmp_path / "t")["optimizer"]["state"]
+
+
+@pytest.mark.timeout(170)
+def test_cli_end_to_end(cluster, tmp_path, capsys):
+    cfg_file = tmp_path / "ppo.yaml"
+    cfg_file.write_text(
+        "num_envs_per_env_runner: 4\nrollout_fragment_length: 16\nminibatch_size: 32\n"
+    )
+    argv = ["train", "ppo", "--env", "CartPole-v1", "--env-runners", "1", "--seed", "3",
+            "--max-timesteps", "512", "--name", "cli", "--runs-dir", str(tmp_path),
+            "--config", str(cfg_file), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    run = tmp_path / "cli"
+    assert {"metrics.jsonl", "checkpoint.pt", "learning_curve.png", "config.json"} <= set(
+        os.listdir(run)
+    )
+    conf = json.loads((run / "config.json").read_text())
+    assert conf["num_envs_per_env_runner"] == 4 and conf["seed"] == 3
+    assert read_metrics(run)[-1]["timesteps"] == 512
+    capsys.readouterr()
+    assert main(["eval", str(run), "--episodes", "3", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert res["episodes"] == 3 and res["trained_timesteps"] == 512
+    # resume continues the same run
+    assert main(["train", "ppo", "--name", "cli", "--runs-dir", str(tmp_path), "--resume",
+                 "--max-timesteps", "1024", "--no-progress"]) == 0  # fmt: skip
+    assert read_metrics(run)[-1]["timesteps"] == 1024
+    # bad input: exit code 1 and a message naming the option, nothing started
+    assert (
+        main(["train", "ppo", "--env", "Nope-v1", "--name", "bad", "--runs-dir", str(tmp_path)])
+        == 1
+    )
+    assert "env: unknown gymnasium env id" in capsys.readouterr().err
+    assert main(["train", "ppo", "--minibatch-size", "100000", "--runs-dir", str(tmp_path)]) == 1
+    assert "minibatch_size" in capsys.readouterr().err
+    assert main(["train", "ppo", "--set", "bogus=1", "--runs-dir", str(tmp_path)]) == 1
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(SystemExit):
+        main(["train", "ppo", "--help"])
+    helptext = capsys.readouterr().out
+    for flag in (
+        "--env-runners",
+        "--stop-return",
+        "--max-timesteps",
+        "--resume",
+        "--config",
+        "--trace",
+    ):
+        assert flag in helptext

@@ -1,0 +1,242 @@
+"""HF generation workers and refit from a 2-rank FSDP2 policy through every transport."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import phalanx as px
+from phalanx.llm.generation import HFGenerationWorker
+from phalanx.llm.loss import NLLLoss
+from phalanx.llm.policy import Policy
+from phalanx.llm.refit import TRANSPORTS, Refitter
+from phalanx.llm.tiny_task import AdditionTask, encode_prompts, sft_batch
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _gen_cfg(path, **over):
+    cfg = {"model_name": path, "max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0, "seed": 1}
+    cfg.update(over)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def setup(cluster, model_path, tokenizer):
+    cfg = {
+        "model_name": model_path,
+        "train_global_batch_size": 8,
+        "train_micro_batch_size": 4,
+        "max_total_sequence_length": 32,
+        "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-2}},
+    }
+    policy = Policy(cluster, cfg, tokenizer, num_workers=2, name_prefix="gen_pol")
+    gen = HFGenerationWorker.create_group(_gen_cfg(model_path), tokenizer).launch(
+        cluster, px.NodePlacement(num_workers=2), name="gen_workers"
+    )
+    yield policy, gen
+    gen.shutdown()
+    policy.shutdown()
+
+
+def _prompts(tokenizer, n=6, seed=0):
+    pairs = AdditionTask(seed).sample_prompts(n)
+    ids, lengths = encode_prompts(tokenizer, [p for p, _ in pairs])
+    return px.BatchedDataDict(input_ids=ids, input_lengths=lengths)
+
+
+def _local_greedy(model_path, state, tokenizer, data, max_new):
+    """Greedy decoding with plain HF generate on a model holding ``state``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.load_state_dict(state)
+    worker = HFGenerationWorker.__new__(HFGenerationWorker)
+    worker.__init__(_gen_cfg(model_path, max_new_tokens=max_new), tokenizer)
+    worker.model = model.eval()
+    return worker.generate(data, greedy=True)
+
+
+def test_generate_outputs_are_well_formed(setup, tokenizer):
+    _, gen = setup
+    data = _prompts(tokenizer)
+    out = gen.execute_on(0).generate(data).wait(60)[0]
+    B, P = data["input_ids"].shape
+    assert out["output_ids"].shape == (B, P + 6)
+    eos = tokenizer.eos_token_id
+    for i in range(B):
+        n, g = int(data["input_lengths"][i]), int(out["generation_lengths"][i])
+        assert 1 <= g <= 6
+        assert torch.equal(out["output_ids"][i, :n], data["input_ids"][i, :n])
+        assert int(out["unpadded_sequence_lengths"][i]) == n + g
+        gen_tokens = out["output_ids"][i, n : n + g]
+        # Generation stops at the first stop token, which is kept.
+        assert eos not in gen_tokens[:-1].tolist()
+        assert g == 6 or gen_tokens[-1] == eos
+        assert torch.all(out["logprobs"][i, n : n + g] <= 0)
+        assert torch.all(out["logprobs"][i, :n] == 0) and torch.all(
+            out["logprobs"][i, n + g :] == 0
+        )
+        assert torch.all(out["output_ids"][i, n + g :] == tokenizer.pad_token_id)
+    # Greedy is deterministic; sampling at a high temperature varies.
+    g1 = gen.execute_on(0).generate(data, greedy=True).wait(60)[0]
+    g2 = gen.execute_on(1).generate(data, greedy=True).wait(60)[0]
+    assert torch.equal(g1["output_ids"], g2["output_ids"])
+
+
+def test_generation_config_errors(model_path, tokenizer):
+    for bad, match in (
+        ({"temperature": 0}, "temperature"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"model_name": "/tmp/nope-model"}, "/tmp/nope-model"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            HFGenerationWorker(_gen_cfg(model_path, **bad), tokenizer)
+    worker = HFGenerationWorker(_gen_cfg(model_path, max_new_tokens=60), tokenizer)
+    with pytest.raises(ValueError, match="max_position_embeddings 64"):
+        worker.generate(_prompts(tokenizer))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_refit_makes_generator_match_policy(setup, model_path, tokenizer, transport):
+    policy, gen = setup
+    # Move the policy away from what the generators hold: a training step plus noise.
+    policy.train(sft_batch(tokenizer, AdditionTask(7).sample_prompts(8)), NLLLoss())
+    seed = TRANSPORTS.index(transport) + 1
+    g = policy.worker_group
+    g.apply(_noise, [(r, (0.05, seed), {}) for r in (0, 1)], label="noise").wait(timeout=60)
+    state = policy.state_dict()
+    before = gen.execute_on(0).get_state_dict().wait(60)[0]
+    assert any(not torch.equal(before[k], state[k]) for k in state)
+
+    Refitter(policy, gen, transport).refit()
+
+    data = _prompts(tokenizer, n=8, seed=seed)
+    expected = _local_greedy(model_path, state, tokenizer, data, max_new=6)
+    for rank, sd in enumerate(gen.get_state_dict().wait(60)):
+        for k in state:
+            assert torch.equal(sd[k], state[k]), (transport, rank, k)
+    for out in gen.generate(data, greedy=True).wait(60):
+        assert torch.equal(out["output_ids"], expected["output_ids"]), transport
+        torch.testing.assert_close(out["logprobs"], expected["logprobs"])
+
+
+def _noise(worker, std, seed):
+    worker._add_noise_to_weights(std, seed)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_dead_generator_is_restarted_and_refitted_before_generating(
+    cluster, setup, model_path, tokenizer, transport
+):
+    import ray
+
+    policy, _ = setup
+    gen = HFGenerationWorker.create_group(_gen_cfg(model_path), tokenizer).launch(
+        cluster,
+        px.NodePlacement(num_workers=2),
+        name=f"gen_ft_{transport}",
+        restart_policy=px.RestartPolicy(),
+    )
+    try:
+        refitter = Refitter(policy, gen, transport)
+        seed = 11 + TRANSPORTS.index(transport)
+        g = policy.worker_group
+        g.apply(_noise, [(r, (0.05, seed), {}) for r in (0, 1)], label="noise").wait(timeout=60)
+        refitter.refit()
+        data = _prompts(tokenizer, n=6, seed=seed)
+        expected = _local_greedy(model_path, policy.state_dict(), tokenizer, data, max_new=6)
+
+        ray.kill(gen.actors[0], no_restart=True)
+        deadline = time.monotonic() + 30
+        while gen.health()[0] == px.WorkerHealth.HEALTHY and time.monotonic() < deadline:
+            time.sleep(0.01)  # the group's monitor sees the death within milliseconds
+        assert gen.health()[0] != px.WorkerHealth.HEALTHY
+        # The next call waits for the restart, which refits rank 0 before it is called.
+        outs = gen.generate(data, greedy=True).wait(120)
+        assert gen.num_remote_worker_restarts() == 1
+        for out in outs:
+            assert torch.equal(out["output_ids"], expected["output_ids"]), transport
+        assert gen.execute_on(0).is_alive().wait(30) == [True]
+
+        # Later refits reach the restarted worker too (collective: the group is rebuilt).
+        g.apply(_noise, [(r, (0.05, seed + 50), {}) for r in (0, 1)], label="noise").wait(
+            timeout=60
+        )
+        refitter.refit()
+        expected = _local_greedy(model_path, policy.state_dict(), tokenizer, data, max_new=6)
+        for out in gen.generate(data, greedy=True).wait(60):
+            assert torch.equal(out["output_ids"], expected["output_ids"]), transport
+    finally:
+        gen.shutdown()
+
+
+def _exit_after(worker, delay_s):
+    time.sleep(delay_s)
+    os._exit(1)
+
+
+@pytest.mark.timeout(120)
+def test_generator_dying_mid_collective_refit_is_named_and_next_refit_works(
+    cluster, setup, model_path, tokenizer
+):
+    policy, _ = setup
+    gen = HFGenerationWorker.create_group(_gen_cfg(model_path), tokenizer).launch(
+        cluster,
+        px.NodePlacement(num_workers=2),
+        name="gen_coll_kill",
+        restart_policy=px.RestartPolicy(),
+    )
+    try:
+        refitter = Refitter(policy, gen, "collective", peer_timeout_s=20)
+        refitter.refit()  # the refit group exists before the death
+        g = policy.worker_group
+        g.apply(_noise, [(r, (0.05, 21), {}) for r in (0, 1)], label="noise").wait(timeout=60)
+        # Rank 1 is busy when the refit starts and exits mid-way: the policy's rank 0 is
+        # already in the broadcast, rank 0 of the generators is receiving.
+        gen.apply(_exit_after, [(1, (1.0,), {})], label="exit")
+        time.sleep(0.2)
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match=r"gen_coll_kill\[rank 1\]: worker died"):
+            refitter.refit()
+        assert time.perf_counter() - t0 < 20
+        # The next refit waits for the restart, rebuilds the group and reaches everyone.
+        refitter.refit()
+        assert gen.num_remote_worker_restarts() == 1
+        data = _prompts(tokenizer, n=6, seed=21)
+        expected = _local_greedy(model_path, policy.state_dict(), tokenizer, data, max_new=6)
+        for out in gen.generate(data, greedy=True).wait(60):
+            assert torch.equal(out["output_ids"], expected["output_ids"])
+    finally:
+        gen.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_collective_refit_waits_at_most_peer_timeout_for_a_busy_generator(
+    setup, model_path, tokenizer
+):
+    """A live generator that does not join the broadcast frees the others within
+    ``peer_timeout_s`` (gloo's default would hold them 300 s); the next refit works."""
+    policy, gen = setup
+    with pytest.raises(ValueError, match="peer_timeout_s"):
+        Refitter(policy, gen, "collective", peer_timeout_s=0)
+    refitter = Refitter(policy, gen, "collective", peer_timeout_s=2)
+    refitter.refit()
+    busy = gen.apply(_sleep, [(1, (6.0,), {})], label="sleep")
+    t0 = time.perf_counter()
+    with pytest.raises(RuntimeError, match="no member died"):
+        refitter.refit()
+    assert time.perf_counter() - t0 < 5  # before the busy rank could have joined
+    busy.wait(30)
+    refitter.refit()
+    state = policy.state_dict()
+    for sd in gen.get_state_dict().wait(60):
+        assert all(torch.equal(sd[k], state[k]) for k in state)
+
+
+def _sleep(worker, seconds):
+    time.sleep(seconds)
