@@ -1,12 +1,30 @@
-"""No-op call fanned out to 8 workers: phalanx group vs raw Ray actor calls.
+"""Fan-out and launch as groups grow: phalanx group vs raw Ray, at several sizes.
 
-Goal: ratio <= 1.15 (phalanx time / raw Ray time).
+For each size N:
+
+- no-op call to every worker: ``group.noop().wait()`` vs ``ray.get([a.noop.remote() ...])``
+  on the *same* actors (``group.actors``), interleaved; goal <= 1.10x at every size;
+- launch: ``create_group().launch(...)`` until every worker answers vs creating N raw Ray
+  actors (one CPU each) until every one answers; goal <= 1.2x;
+- driver memory: growth of this process's RSS per worker, for the group and the raw actors.
+
+``--nodes K`` runs the same on a ``ray.cluster_utils.Cluster`` of K local nodes (the group
+spread over the nodes with ``NodePlacement(num_workers=N)``; the raw actors spread by
+Ray's default scheduling).
+
+    python benchmarks/bench_fanout.py [--sizes 8,32,64] [--nodes 4] [--repeats 200]
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
+import statistics
+import time
+
+import psutil
 import ray
-from _common import interleaved, report
+from _common import interleaved
 
 import phalanx as px
 
@@ -22,23 +40,115 @@ class RawActor:
         return None
 
 
-def main() -> None:
-    cluster = px.Cluster(num_cpus=32)
-    group = Noop.create_group().launch(
-        cluster, placement=px.NodePlacement(num_workers=8), name="bench_fanout"
-    )
-    actors = [RawActor.remote() for _ in range(8)]
+def _rss_mb() -> float:
+    gc.collect()
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def _launch_raw(n: int) -> tuple[list, float]:
+    t0 = time.perf_counter()
+    actors = [RawActor.remote() for _ in range(n)]
     ray.get([a.noop.remote() for a in actors])
+    return actors, time.perf_counter() - t0
+
+
+def _launch_group(cluster: px.Cluster, n: int, name: str) -> tuple[px.WorkerGroup, float]:
+    t0 = time.perf_counter()
+    group = Noop.create_group().launch(
+        cluster, placement=px.NodePlacement(num_workers=n), name=name, timeout_s=900
+    )
+    group.noop().wait()
+    return group, time.perf_counter() - t0
+
+
+def bench_size(cluster: px.Cluster, n: int, repeats: int) -> dict[str, float]:
+    # raw actors first (the group's workers then do not find a warmer machine than they had)
+    mem0 = _rss_mb()
+    raw, raw_launch = _launch_raw(n)
+    raw_mem = (_rss_mb() - mem0) / n
+    for a in raw:
+        ray.kill(a)
+    del raw
+    mem0 = _rss_mb()
+    group, group_launch = _launch_group(cluster, n, f"bench_fanout_{n}")
+    group_mem = (_rss_mb() - mem0) / n
+    actors = group.actors
     t = interleaved(
         {
             "phalanx": lambda: group.noop().wait(),
             "raw": lambda: ray.get([a.noop.remote() for a in actors]),
         },
-        repeats=400,
-        warmup=20,
+        repeats=repeats,
+        warmup=10,
     )
-    report("no-op fan-out to 8 workers", t["phalanx"], t["raw"], "(goal <= 1.15x)")
     group.shutdown()
+    return {
+        "call_phalanx_ms": t["phalanx"] * 1e3,
+        "call_raw_ms": t["raw"] * 1e3,
+        "call_ratio": t["phalanx"] / t["raw"],
+        "launch_phalanx_s": group_launch,
+        "launch_raw_s": raw_launch,
+        "launch_ratio": group_launch / raw_launch,
+        "driver_mb_per_worker_phalanx": group_mem,
+        "driver_mb_per_worker_raw": raw_mem,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="8,32,64", help="group sizes (default 8,32,64)")
+    p.add_argument("--nodes", type=int, default=1, help="local Ray nodes (default 1)")
+    p.add_argument("--repeats", type=int, default=200, help="timed calls per size and side")
+    args = p.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    local = None
+    if args.nodes > 1:
+        from ray.cluster_utils import Cluster as LocalNodes
+
+        per_node = -(-max(sizes) // args.nodes) + 1
+        local = LocalNodes(
+            initialize_head=True, head_node_args={"num_cpus": per_node, "include_dashboard": False}
+        )
+        for _ in range(args.nodes - 1):
+            local.add_node(num_cpus=per_node)
+        local.wait_for_nodes()
+        cluster = px.Cluster(num_nodes=args.nodes, address=local.address)
+    else:
+        cluster = px.Cluster(num_cpus=max(sizes) + 4)
+    where = f"{args.nodes} nodes" if args.nodes > 1 else "1 node"
+    rows = []
+    for n in sizes:
+        r = bench_size(cluster, n, args.repeats)
+        rows.append((n, r))
+        print(
+            f"[{where}] {n:3d} workers: no-op call phalanx {r['call_phalanx_ms']:.2f} ms, raw Ray "
+            f"{r['call_raw_ms']:.2f} ms, ratio {r['call_ratio']:.3f}x (goal <= 1.10x) | launch "
+            f"phalanx {r['launch_phalanx_s']:.2f} s, raw {r['launch_raw_s']:.2f} s, ratio "
+            f"{r['launch_ratio']:.2f}x (goal <= 1.2x) | driver RSS per worker phalanx "
+            f"{r['driver_mb_per_worker_phalanx']:.2f} MB, raw {r['driver_mb_per_worker_raw']:.2f} MB",
+            flush=True,
+        )
+    if len(rows) > 1:
+        (n0, r0), (n1, r1) = rows[0], rows[-1]
+        grow = n1 / n0
+        for key, label in (
+            ("call_phalanx_ms", "phalanx call"),
+            ("call_raw_ms", "raw Ray call"),
+            ("launch_phalanx_s", "phalanx launch"),
+            ("launch_raw_s", "raw launch"),
+        ):
+            print(
+                f"[{where}] {label}: {r1[key] / r0[key]:.2f}x the time for {grow:.0f}x the workers "
+                f"({n0} -> {n1})"
+            )
+        print(
+            f"[{where}] worst call ratio {max(r['call_ratio'] for _, r in rows):.3f}x, worst launch "
+            f"ratio {max(r['launch_ratio'] for _, r in rows):.2f}x, median call ratio "
+            f"{statistics.median(r['call_ratio'] for _, r in rows):.3f}x"
+        )
+    ray.shutdown()
+    if local is not None:
+        local.shutdown()
 
 
 if __name__ == "__main__":

@@ -7,11 +7,13 @@
 2. Round-trip latency of a ~1 KB object: ``send`` then ``recv`` of the echo, against a
    plain Ray actor call to the other worker that returns its argument.
 
-Run: ``python benchmarks/bench_p2p.py``
+Run: ``python benchmarks/bench_p2p.py`` (``--small``: only the small round trip, repeated
+``--repeats`` times interleaved with the Ray call, medians; for before/after comparisons).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -109,10 +111,35 @@ class Bench(px.Worker):
         return obj
 
 
+def small_only(a, b, repeats: int) -> None:
+    """Only the ~1 KB round trip, interleaved with the Ray call; medians of ``repeats``."""
+    p2p, ray_call = [], []
+    for _ in range(repeats):
+        hb = b.echo_loop("bench_a", SMALL_ROUNDS)
+        p2p.append(a.small_rtt("bench_b", SMALL_ROUNDS).wait(timeout=300)[0])
+        hb.wait(timeout=60)
+        ray_call.append(a.ray_rtt("bench_b:0", SMALL_ROUNDS).wait(timeout=300)[0])
+    p2p_rtt, ray_rtt = statistics.median(p2p), statistics.median(ray_call)
+    print(f"~1 KB object round trip (us, median of {repeats} x {SMALL_ROUNDS} rounds)")
+    print(f"  plain Ray actor call                 : {ray_rtt * 1e6:8.0f}")
+    print(f"  phalanx send + recv of the echo      : {p2p_rtt * 1e6:8.0f}")
+    print(f"  all p2p runs (us): {[round(x * 1e6) for x in p2p]}")
+    print(f"RATIO small round trip, Ray call / p2p:    {ray_rtt / p2p_rtt:.2f}x (report)")
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="only the small round trip")
+    parser.add_argument("--repeats", type=int, default=5, help="repeats of --small")
+    args = parser.parse_args()
     cluster = px.Cluster(num_cpus=8)
     a = Bench.create_group().launch(cluster, px.NodePlacement(num_workers=1), name="bench_a")
     b = Bench.create_group().launch(cluster, px.NodePlacement(num_workers=1), name="bench_b")
+    if args.small:
+        small_only(a, b, args.repeats)
+        a.shutdown()
+        b.shutdown()
+        return
 
     def phalanx_bw(shm: bool) -> float:
         a.set_shm(shm).wait()

@@ -7,13 +7,20 @@ Measured in one run, each against its baseline:
 - phalanx vs the in-process floor (the same four ``param.copy_(src)`` passes in one
   process, on both cores): goal <= 2x the floor;
 - the collective transport vs raw ``torch.distributed.broadcast`` of the same tensors over
-  the same kind of process group: goal >= 0.9x its speed.
+  the same kind of process group: goal >= 0.9x its speed;
+- read-only receivers (``read_only_weights = True``: their parameters become views of the
+  sender's shared buffers, one copy per send for all of them) vs the floor: goal <= 0.5x;
+  and vs TorchRL 0.14's ``RayWeightSyncScheme`` moving the same model to the same number
+  of Ray actors: goal >= 6x faster. TorchRL is a benchmark extra (``pip install
+  '.[bench]'``; it pins ``tensordict<0.15``, so use a separate environment, e.g. a venv made
+  with ``--system-site-packages``); without it that comparison is skipped with a message.
 
 Each sender runs alternately with its baselines (floor, and for the default also the naive
 way; raw broadcast for the collective), medians of ``--repeats``. The object store is reported twice: right after one warm-up send, and in
 steady state after ``--os-warmup`` more sends (see ``phalanx/weights/transports/object_store.py``).
 
 Run: ``python benchmarks/bench_weights.py [--mb 512] [--workers 4] [--repeats 5]``.
+Memory: about (3 + 2 x workers) x ``--mb`` at the peak.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 import phalanx as px  # noqa: E402
-from phalanx.weights.transports.collective import broadcast, new_process_group  # noqa: E402
+from phalanx.comm.process_group import broadcast, host_store, join_store  # noqa: E402
+from phalanx.weights.transports.collective import new_process_group  # noqa: E402
 
 WIDTH = 4096  # one 4096x4096 fp32 layer is 64 MiB
 
@@ -52,7 +60,7 @@ class BenchReceiver(px.Worker):
         return time.perf_counter() - t
 
     def raw_join(self, addr: str, port: int, world: int, rank: int) -> bool:
-        store = torch.distributed.TCPStore(addr, port, world, False)
+        store = join_store(addr, port, 120, world)
         self._pg = new_process_group(store, "raw", rank, world, "gloo", 120)
         return True
 
@@ -65,6 +73,70 @@ class BenchReceiver(px.Worker):
 
     def checksum(self) -> float:
         return float(sum(p.detach().double().sum() for p in self.model.parameters()))
+
+
+class BenchViewer(BenchReceiver):
+    """An inference-only receiver: same-node sends make its parameters shared views."""
+
+    read_only_weights = True
+
+
+@ray.remote(num_cpus=1)
+class TorchRLReceiver:
+    """A plain Ray actor receiving through TorchRL's ``RayWeightSyncScheme``."""
+
+    def __init__(self, mb: int, worker_idx: int, scheme: object):
+        torch.set_num_threads(1)
+        self.model = make_model(mb)
+        self.worker_idx = worker_idx
+        self.scheme = scheme  # the sender's scheme, shipped before init (as TorchRL does)
+        self.scheme.init_on_receiver(model_id="policy", model=self.model, worker_idx=worker_idx)
+
+    def ready(self) -> bool:
+        return True
+
+    def connect(self) -> bool:
+        self.scheme.connect(worker_idx=self.worker_idx)
+        return True
+
+    def _receive_weights_scheme(self, model_version: int | None = None) -> None:
+        self.scheme.receive()
+
+    def checksum(self) -> float:
+        return float(sum(p.detach().double().sum() for p in self.model.parameters()))
+
+
+def torchrl_sync(model: torch.nn.Module, workers: int, mb: int):
+    """A ``send()`` through TorchRL's ``RayWeightSyncScheme`` to ``workers`` actors, and a
+    function that tears it down; None (with the reason printed) if TorchRL is missing."""
+    try:
+        import torchrl
+        from tensordict import TensorDict
+        from torchrl.weight_update import RayWeightSyncScheme
+    except ImportError as e:
+        print(f"TorchRL comparison skipped: torchrl is not installed here ({e}); install the")
+        print("  'bench' extra (torchrl==0.14.1) in a separate environment to run it")
+        return None
+    scheme = RayWeightSyncScheme()
+    actors = [TorchRLReceiver.remote(mb, i, scheme) for i in range(workers)]
+    ray.get([a.ready.remote() for a in actors], timeout=600)  # started (imports are slow)
+    scheme.init_on_sender(model_id="policy", remote_collectors=actors, num_workers=workers)
+    joins = [a.connect.remote() for a in actors]
+    scheme.connect(weights=TensorDict.from_module(model))
+    ray.get(joins, timeout=600)
+    print(f"torchrl {torchrl.__version__}: RayWeightSyncScheme to {workers} Ray actors")
+
+    def send() -> None:
+        scheme.send(model)
+
+    def close() -> list[float]:
+        sums = ray.get([a.checksum.remote() for a in actors], timeout=600)
+        scheme.shutdown()
+        for a in actors:
+            ray.kill(a)
+        return sums
+
+    return send, close
 
 
 def timed(fn, repeats: int) -> float:
@@ -103,7 +175,7 @@ def main() -> None:
     # A Ray of its own, even if another one runs on this machine.
     ray.init(
         address="local",
-        num_cpus=max(8, args.workers + 2),
+        num_cpus=max(12, 2 * args.workers + 4),
         namespace="phalanx",
         include_dashboard=False,
     )
@@ -143,7 +215,7 @@ def main() -> None:
 
     # Raw torch.distributed broadcast of the same tensors (driver = rank 0).
     addr = ray.util.get_node_ip_address()
-    store = torch.distributed.TCPStore(addr, 0, None, True, wait_for_workers=False)
+    store = host_store(addr, 120)
     world = args.workers + 1
     joins = [
         group.execute_on(r).raw_join(addr, store.port, world, r + 1) for r in range(args.workers)
@@ -190,6 +262,36 @@ def main() -> None:
         sender.close()
     check()
     group.shutdown()
+
+    # Read-only receivers: one copy per send, vs the floor and vs TorchRL.
+    viewers = BenchViewer.create_group(args.mb).launch(
+        cluster, px.NodePlacement(num_workers=args.workers), name="bench_weights_view"
+    )
+    view_sender = px.WeightSender(viewers, model, bucket_size_mb=64)
+    view_routes: set[str] = set()
+
+    def view_sync() -> None:
+        r = view_sender.send()
+        assert r.ok and len(r.applied) == args.workers, r
+        view_routes.update(r.routes.values())
+
+    # Each send alternates with the floor and, when TorchRL is here, with its send.
+    t_torchrl = None
+    trl = torchrl_sync(model, args.workers, args.mb)
+    trl_samples: list[float] = []
+    baselines = {floor: floor_samples}
+    if trl is not None:
+        baselines[trl[0]] = trl_samples
+    results["read-only (shm_view)"] = paired(view_sync, baselines, args.repeats)
+    sums = viewers.checksum().wait()
+    assert all(abs(s - expected) < 1e-6 * max(1.0, abs(expected)) for s in sums), sums
+    if trl is not None:
+        t_torchrl = statistics.median(trl_samples)
+        sums = trl[1]()
+        assert all(abs(s - expected) < 1e-6 * max(1.0, abs(expected)) for s in sums), sums
+    view_sender.close()
+    viewers.shutdown()
+
     t_floor = statistics.median(floor_samples)
     t_raw = statistics.median(raw_samples)
     t_naive = statistics.median(naive_samples)
@@ -203,6 +305,8 @@ def main() -> None:
             f"{t_naive / t:6.1f}x faster than naive, {t / t_floor:5.2f}x the floor"
         )
     print(f"raw torch.distributed.broadcast:     {t_raw:7.3f} s")
+    if t_torchrl is not None:
+        print(f"TorchRL RayWeightSyncScheme:         {t_torchrl:7.3f} s")
     print()
     t_auto, t_os, t_coll = results["auto"], results["object_store"], results["collective"]
     t_steady = results["object_store (steady)"]
@@ -214,6 +318,14 @@ def main() -> None:
     print(f"RATIO speedup vs naive ({steady}): {t_naive / t_steady:.1f}x (goal >= 10x)")
     print(f"RATIO vs floor ({steady}):          {t_steady / t_floor:.2f}x (goal <= 2x)")
     print(f"RATIO collective speed vs raw broadcast:      {t_raw / t_coll:.2f}x (goal >= 0.9x)")
+    t_view = results["read-only (shm_view)"]
+    routes = "+".join(sorted(view_routes))
+    print(f"RATIO read-only receivers ({routes}) vs floor: {t_view / t_floor:.2f}x (goal <= 0.5x)")
+    if t_torchrl is not None:
+        print(f"RATIO read-only speedup vs TorchRL RayWeightSyncScheme: {t_torchrl / t_view:.1f}x")
+        print("      (goal >= 6x)")
+    else:
+        print("RATIO vs TorchRL RayWeightSyncScheme: skipped (torchrl not installed)")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,15 @@ from phalanx.resources.placement import (
     Placement,
     WorkerSlot,
 )
+from phalanx.resources.strategies import (
+    FlexiblePlacementStrategy,
+    NodePlacementStrategy,
+    PackedPlacementStrategy,
+    PlacementError,
+    PlacementIndexError,
+    PlacementStrategy,
+    RankPlacement,
+)
 from phalanx.resources.virtual_cluster import RayVirtualCluster
 from phalanx.worker.builder import RayWorkerBuilder
 from phalanx.worker.worker import Worker, WorkerInfo
@@ -37,7 +46,7 @@ _LAZY = {
     "Work": "phalanx.comm.work",
     "connect_channel": "phalanx.comm.channel",
     "create_channel": "phalanx.comm.channel",
-    "AsyncSubmission": "phalanx.group.fault",
+    "AsyncSubmission": "phalanx.group.requests",
     "HangReport": "phalanx.group.hang",
     "HangTimeoutError": "phalanx.group.hang",
     "HealthEvent": "phalanx.group.fault",
@@ -104,14 +113,21 @@ __all__ = [
     "BatchedDataDict",
     "Cluster",
     "FlexiblePlacement",
+    "FlexiblePlacementStrategy",
     "GroupHandle",
     "GroupTimeoutError",
     "MultiWorkerFuture",
     "NamedSharding",
     "NodeInfo",
     "NodePlacement",
+    "NodePlacementStrategy",
     "PackedPlacement",
+    "PackedPlacementStrategy",
     "Placement",
+    "PlacementError",
+    "PlacementIndexError",
+    "PlacementStrategy",
+    "RankPlacement",
     "RayVirtualCluster",
     "RayWorkerBuilder",
     "RayWorkerGroup",

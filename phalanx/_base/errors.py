@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from ray.exceptions import RayError
 
-class WorkerError(RuntimeError):
-    """A worker method raised; carries the group, rank, method and the remote traceback."""
+
+class WorkerError(RuntimeError, RayError):
+    """A worker method raised; carries the group, rank, method and the remote traceback.
+
+    Also a ``ray.exceptions.RayError``, so code written for Ray/RLlib that catches Ray's
+    errors from remote calls catches it too.
+    """
 
     def __init__(
         self,

@@ -35,12 +35,29 @@ import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from phalanx._base.timing import TimerRecorder
-    from phalanx.group.futures import GroupHandle
-    from phalanx.group.group import WorkerGroup
+
+
+class GroupLike(Protocol):
+    """What tracing reads of a worker group (its public API; groups sit in a higher layer)."""
+
+    name: str
+
+    @property
+    def actors(self) -> list[Any]: ...
+
+
+class HandleLike(Protocol):
+    """What tracing reads of a call's handle."""
+
+    group: GroupLike
+    method: str
+    ranks: list[int]
+    refs: list[Any]
+
 
 ENV_VAR = "PHALANX_TRACE"
 MAX_EVENTS = 1_000_000  # per process; later events are counted as dropped
@@ -67,7 +84,7 @@ class _State:
         self.rank = 0
         self.timers: TimerRecorder | None = None
         # Driver side.
-        self.groups: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
+        self.groups: weakref.WeakSet[GroupLike] = weakref.WeakSet()
         self.collected: list[dict[str, Any]] = []
         self.calls: list[_DriverCall] = []  # in flight, watched by the poller
         self.call_ids = itertools.count(1)
@@ -204,7 +221,7 @@ def instant(name: str, *, cat: str = "user", **args: Any) -> None:
 # ----------------------------------------------------------------------------- hooks (driver)
 
 
-def register_group(group: WorkerGroup) -> None:
+def register_group(group: GroupLike) -> None:
     """Called by a group after launch: its workers' events are collected at dump time."""
     _S.groups.add(group)
     if not ON and _S.group is None and os.environ.get(ENV_VAR):
@@ -212,10 +229,10 @@ def register_group(group: WorkerGroup) -> None:
 
 
 def driver_call(
-    group: WorkerGroup,
+    group: GroupLike,
     method: str,
     calls: list[tuple[int, tuple, dict]],
-    handle: GroupHandle,
+    handle: HandleLike,
     start: float,
 ) -> None:
     """The driver dispatched ``method`` to the ranks in ``calls`` (tracing is on)."""
@@ -227,7 +244,7 @@ def driver_call(
 
 
 @contextmanager
-def traced_wait(handle: GroupHandle) -> Iterator[None]:
+def traced_wait(handle: HandleLike) -> Iterator[None]:
     """The driver blocks on a handle's results."""
     t0 = time.perf_counter()
     try:
@@ -247,11 +264,11 @@ def traced_wait(handle: GroupHandle) -> Iterator[None]:
         )
 
 
-def collect_group(group: WorkerGroup) -> None:
+def collect_group(group: GroupLike) -> None:
     """Fetch and clear the buffered events of every live worker of ``group``."""
     import ray
 
-    actors = list(getattr(group, "_actors", []) or [])
+    actors = list(group.actors)
     if not actors:
         return
     refs = []
@@ -538,11 +555,11 @@ def _gen_finished(gen: Any) -> bool:
         return True
 
 
-def _worker_control(group: WorkerGroup, op: str) -> None:
+def _worker_control(group: GroupLike, op: str) -> None:
     import ray
 
     refs = []
-    for actor in list(getattr(group, "_actors", []) or []):
+    for actor in list(group.actors):
         try:
             refs.append(actor._px_trace.remote(op))
         except Exception:  # noqa: BLE001

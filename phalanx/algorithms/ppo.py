@@ -1,8 +1,9 @@
 """PPO on gymnasium environments with phalanx env runners (CleanRL style, one file).
 
-Read top to bottom: the hyperparameters (``PPOConfig``), advantage estimation (``gae``),
-the loss and update (``ppo_update``), the training loop (``train``), checkpoints, and
-the ``phalanx train ppo`` command line (``add_arguments``/``run``).
+Read top to bottom: the hyperparameters (``PPOConfig``; its field docstrings are the
+``phalanx train ppo --help``), tuned starting points per env, advantage estimation
+(``gae``), the loss and update (``ppo_update``), checkpoints, start-up, the training loop
+(``train``) and the command line (``cli``).
 
 Sampling runs on an :class:`~phalanx.envs.EnvRunnerGroup`: ``num_env_runners`` remote
 runners (or the local runner when 0), each stepping ``num_envs_per_env_runner`` envs for
@@ -12,82 +13,137 @@ the current one, so each batch was collected with weights one version behind the
 learner (``policy_lag`` in the metrics). A runner that dies is left out of that round,
 restarted by the group, and given the current weights and normaliser before it samples
 again; ``restarts`` in the metrics counts it.
+
+Start-up overlaps: Ray and the env runners start on a helper thread while this thread
+imports torch and builds the learner (torch is therefore imported inside the functions
+that use it). Every run ends with a breakdown of its wall time (``WallBreakdown``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, fields
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
-import torch
+import tyro
+
+from phalanx.observe.breakdown import WallBreakdown, process_age_s
+
+if TYPE_CHECKING:
+    import torch
 
 CHECKPOINT_FILE = "checkpoint.pt"
+
+
+def _flag(*aliases: str) -> Any:
+    """Extra command-line spellings of a field (the short flags of earlier releases)."""
+    return tyro.conf.arg(aliases=aliases)
 
 
 # ---------------------------------------------------------------------------- config
 @dataclass
 class PPOConfig:
-    """Every knob of a PPO run. ``PPOConfig.for_env(env_id)`` starts from tuned values."""
+    """PPO hyperparameters and run options; PPOConfig.for_env(env) starts from the values
+    tuned for that env (TUNED), as the command line does."""
 
-    # environment and runners
+    # --- environment and env runners
     env: str = "CartPole-v1"
-    env_config: dict[str, Any] = field(default_factory=dict)
-    num_env_runners: int = 2
-    num_envs_per_env_runner: int = 8
-    rollout_fragment_length: int = 32  # vector steps per runner per iteration
-    normalize_observations: bool = False
-    # budget and stopping
+    """gymnasium env id"""
+    env_config: Annotated[dict[str, Any], tyro.conf.Suppress] = field(default_factory=dict)
+    """keyword arguments of gymnasium.make (YAML --config only)"""
+    num_env_runners: Annotated[int, _flag("--env-runners")] = 2
+    """remote env runner processes; 0 samples in this process"""
+    num_envs_per_env_runner: Annotated[int, _flag("--envs-per-runner")] = 8
+    """vectorised envs per runner"""
+    rollout_fragment_length: Annotated[int, _flag("--rollout-length")] = 32
+    """vector steps per runner per iteration"""
+    normalize_observations: Annotated[bool, _flag("--normalize-obs")] = False
+    """running mean/std observation normaliser, merged across runners"""
+    # --- budget and stopping
     max_timesteps: int = 200_000
-    stop_return: float | None = (
-        None  # stop once the mean of the last stop_window returns reaches it
-    )
+    """stop after this many env steps"""
+    stop_return: float | None = None
+    """stop (exit 0) once the mean return of the last stop_window episodes reaches this"""
     stop_window: int = 20
+    """episodes averaged for stop_return"""
+    stop_min_episodes: int = 10
+    """episodes that must have finished before stop_return is checked (capped at stop_window)"""
     seed: int = 1
-    # PPO
-    learning_rate: float = 2.5e-3
+    """random seed of the learner and the envs"""
+    # --- PPO
+    learning_rate: Annotated[float, _flag("--lr")] = 2.5e-3
+    """Adam learning rate"""
     anneal_lr: bool = True
+    """decay the learning rate linearly with timesteps / max_timesteps"""
+    lr_floor: float = 0.05
+    """annealing never goes below this fraction of learning_rate"""
+    adam_eps: float = 1e-5
+    """Adam epsilon"""
     gamma: float = 0.99
+    """discount"""
     gae_lambda: float = 0.95
+    """GAE lambda"""
     minibatch_size: int = 128
-    update_epochs: int = 4
+    """SGD minibatch size"""
+    update_epochs: Annotated[int, _flag("--epochs")] = 4
+    """SGD passes over each batch"""
     norm_adv: bool = True
+    """normalise advantages per minibatch"""
     clip_coef: float = 0.2
+    """PPO ratio clip"""
     clip_vloss: bool = True
-    vf_clip_coef: float | None = None  # None: same as clip_coef
+    """clip the value loss around the sampling-time values"""
+    vf_clip_coef: float | None = None
+    """value clip (None: same as clip_coef)"""
     ent_coef: float = 0.0
+    """entropy bonus"""
     vf_coef: float = 0.5
+    """value loss weight"""
     max_grad_norm: float = 0.5
+    """gradient norm clip"""
     target_kl: float | None = None
+    """stop the epochs of an update once the approximate KL exceeds this"""
     reward_scale: float = 1.0
-    # policy network
+    """rewards are multiplied by this before GAE"""
+    # --- policy network
     hidden: tuple[int, ...] = (64, 64)
+    """hidden layer sizes of the actor and the critic"""
     activation: str = "tanh"
+    """tanh or relu"""
     init_log_std: float = 0.0
-    # runtime
-    async_sampling: bool = False
+    """initial log std of a Gaussian policy (continuous actions)"""
+    # --- runtime
+    async_sampling: Annotated[bool, _flag("--async")] = False
+    """sample the next batch while the learner trains (one weights version behind)"""
     restart_failed_env_runners: bool = True
+    """restart a dead env runner (the round it died in goes on without it)"""
     max_num_env_runner_restarts: int = 100
+    """restarts allowed per runner"""
     sample_timeout_s: float = 60.0
-    name: str = "ppo"
+    """seconds to wait for a round of samples before a runner counts as hung"""
+    torch_threads: int = 1
+    """torch threads of the learner (the networks are tiny; more threads fight the runners)"""
+    name: str | None = None
+    """run name: output goes to <runs_dir>/<name> (None: a fresh ppo-<env>[-N])"""
     runs_dir: str = "runs"
-    checkpoint_every: int = 10  # iterations; a checkpoint is also written at the end
+    """folder of runs"""
+    checkpoint_every: int = 10
+    """iterations between checkpoints; one is also written at the end"""
 
     @classmethod
     def for_env(cls, env: str, **overrides: Any) -> PPOConfig:
         """Tuned starting points for a few environments; anything else uses the defaults."""
-        tuned = _TUNED.get(env, {})
-        return cls(**{"env": env, **tuned, **overrides})
+        return cls(**{"env": env, **TUNED.get(env, {}), **overrides})
 
     @property
     def batch_size(self) -> int:
@@ -98,8 +154,8 @@ class PPOConfig:
         """``ValueError``/``TypeError`` naming the first bad option (before anything starts)."""
         ints = (
             "num_env_runners", "num_envs_per_env_runner", "rollout_fragment_length",
-            "max_timesteps", "stop_window", "seed", "minibatch_size", "update_epochs",
-            "checkpoint_every", "max_num_env_runner_restarts",
+            "max_timesteps", "stop_window", "stop_min_episodes", "seed", "minibatch_size",
+            "update_epochs", "checkpoint_every", "max_num_env_runner_restarts", "torch_threads",
         )  # fmt: skip
         for name in ints:
             v = getattr(self, name)
@@ -119,13 +175,14 @@ class PPOConfig:
         ranges = {
             "learning_rate": (0, None), "gamma": (0, 1), "gae_lambda": (0, 1),
             "clip_coef": (0, None), "vf_coef": (0, None), "max_grad_norm": (0, None),
-            "reward_scale": (0, None), "sample_timeout_s": (0, None),
+            "reward_scale": (0, None), "sample_timeout_s": (0, None), "adam_eps": (0, None),
+            "lr_floor": (0, 1),
         }  # fmt: skip
         for name, (lo, hi) in ranges.items():
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TypeError(f"{name} must be a number, got {v!r}")
-            if v <= lo if name != "gae_lambda" else v < lo:
+            if v <= lo if name not in ("gae_lambda", "lr_floor") else v < lo:
                 raise ValueError(f"{name} must be > {lo}, got {v}")
             if hi is not None and v > hi:
                 raise ValueError(f"{name} must be <= {hi}, got {v}")
@@ -137,14 +194,20 @@ class PPOConfig:
                 raise TypeError(f"{name} must be a number or None, got {v!r}")
         if self.target_kl is not None and self.target_kl <= 0:
             raise ValueError(f"target_kl must be > 0 or None, got {self.target_kl}")
-        if not self.hidden or not all(isinstance(h, int) and h > 0 for h in self.hidden):
+        if not self.hidden or not all(
+            isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in self.hidden
+        ):
             raise ValueError(
                 f"hidden must be a non-empty list of positive ints, got {self.hidden!r}"
             )
         if self.activation not in ("tanh", "relu"):
             raise ValueError(f"activation must be 'tanh' or 'relu', got {self.activation!r}")
-        if not isinstance(self.name, str) or not self.name or "/" in self.name:
+        if self.name is not None and (
+            not isinstance(self.name, str) or not self.name or "/" in self.name
+        ):
             raise ValueError(f"name must be a non-empty str without '/', got {self.name!r}")
+        if not isinstance(self.env_config, dict):
+            raise TypeError(f"env_config must be a mapping, got {self.env_config!r}")
         if not isinstance(self.env, str):
             raise TypeError(f"env must be a gymnasium env id, got {self.env!r}")
         from phalanx.envs.env_runner import check_env_id
@@ -173,21 +236,38 @@ class PPOConfig:
         )
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> PPOConfig:
-        d = {k.replace("-", "_"): v for k, v in d.items()}
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(d) - set(known))
-        if unknown:
-            raise ValueError(f"unknown PPO config keys {unknown} (known: {sorted(known)})")
-        if "hidden" in d:
-            d["hidden"] = tuple(d["hidden"])
-        return cls(**d)
+    def from_dict(cls, d: dict[str, Any], source: str = "PPO config") -> PPOConfig:
+        """A config from a mapping (a YAML file, a checkpoint); unknown keys are an error."""
+        return cls(**_check_keys(d, source))
 
 
-_TUNED: dict[str, dict[str, Any]] = {
-    # Many envs, short fragments and a high learning rate: CartPole-v1 reaches ~500 in
-    # well under 100k steps.
-    "CartPole-v1": {},
+def _check_keys(d: dict[str, Any], source: str) -> dict[str, Any]:
+    """``d`` with ``-`` spelled ``_``; ``ValueError`` naming the first key PPOConfig lacks."""
+    out = {str(k).replace("-", "_"): v for k, v in d.items()}
+    known = {f.name for f in fields(PPOConfig)}
+    for key in out:
+        if key not in known:
+            raise ValueError(f"{source}: unknown PPO config key {key!r} (known: {sorted(known)})")
+    if isinstance(out.get("hidden"), list):
+        out["hidden"] = tuple(out["hidden"])
+    return out
+
+
+TUNED: dict[str, dict[str, Any]] = {
+    # CartPole-v1 (2 runners x 8 envs x 32 steps = 512 steps per update). Start: CleanRL's
+    # ppo.py (4 epochs, clip 0.2, tanh 64x64, advantage normalisation) with lr 2.5e-3.
+    # A sweep of steps to a 20-episode mean of 450 (seeds 1-3, 2026-11-23; the notes in
+    # benchmarks/bench_ppo_cartpole.py) found: value clipping off (returns of ~100 moved at
+    # most 0.2 per update held the critic back), gamma 0.98 and lambda 0.9 (RL Zoo's
+    # CartPole horizon) and 6 epochs cut the median from ~52k to ~21k steps (seeds 1-5:
+    # 21k, 19k, 35k, 30k, 20k); 8 epochs, lr 4e-3, 4 envs per runner or 16-step fragments
+    # did not beat it, and RL Zoo's full set (lambda 0.8, 10 epochs, lr 1e-3) was slower.
+    "CartPole-v1": {
+        "clip_vloss": False,
+        "gamma": 0.98,
+        "gae_lambda": 0.9,
+        "update_epochs": 6,
+    },
     # Pendulum: normalised observations, small rewards, short horizon, longer updates.
     "Pendulum-v1": {
         "num_envs_per_env_runner": 8,
@@ -233,6 +313,8 @@ def gae(batch: dict[str, np.ndarray], gamma: float, lam: float, reward_scale: fl
 
 def flatten_batches(batches: list[dict[str, Any]], cfg: PPOConfig) -> dict[str, torch.Tensor]:
     """One learner batch: every runner's steps, with advantages, as flat tensors."""
+    import torch
+
     parts: dict[str, list[np.ndarray]] = {
         k: [] for k in ("obs", "actions", "logp", "values", "adv", "ret")
     }
@@ -254,10 +336,12 @@ def ppo_update(
     cfg: PPOConfig,
 ) -> dict[str, float]:
     """``update_epochs`` passes of clipped-surrogate minibatch SGD over ``data``."""
+    import torch
+
     n = data["obs"].shape[0]
     mb = min(cfg.minibatch_size, n)
     vf_clip = cfg.clip_coef if cfg.vf_clip_coef is None else cfg.vf_clip_coef
-    stats: dict[str, list[float]] = {
+    stats: dict[str, list[torch.Tensor]] = {
         k: [] for k in ("policy", "value", "entropy", "kl", "clipfrac")
     }
     for _epoch in range(cfg.update_epochs):
@@ -288,19 +372,21 @@ def ppo_update(
             loss.backward()
             torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
             optimizer.step()
-            with torch.no_grad():
-                approx_kl = ((ratio - 1) - log_ratio).mean().item()
-                stats["kl"].append(approx_kl)
-                stats["clipfrac"].append(((ratio - 1).abs() > cfg.clip_coef).float().mean().item())
-            stats["policy"].append(pg_loss.item())
-            stats["value"].append(v_loss.item())
-            stats["entropy"].append(ent.item())
-        if cfg.target_kl is not None and np.mean(stats["kl"][-(n // mb) :]) > cfg.target_kl:
-            break
+            with torch.no_grad():  # kept as tensors: one sync per update, not per minibatch
+                stats["kl"].append(((ratio - 1) - log_ratio).mean())
+                stats["clipfrac"].append(((ratio - 1).abs() > cfg.clip_coef).float().mean())
+                stats["policy"].append(pg_loss.detach())
+                stats["value"].append(v_loss.detach())
+                stats["entropy"].append(ent.detach())
+        if cfg.target_kl is not None:
+            epoch_kl = torch.stack(stats["kl"][-(n // mb) :]).mean().item()
+            if epoch_kl > cfg.target_kl:
+                break
     y, v = data["ret"].numpy(), data["values"].numpy()
     var_y = float(np.var(y))
-    out = {f"loss/{k}": float(np.mean(s)) for k, s in stats.items() if k != "clipfrac"}
-    out["clipfrac"] = float(np.mean(stats["clipfrac"]))
+    means = {k: float(torch.stack(s).mean()) for k, s in stats.items()}
+    out = {f"loss/{k}": means[k] for k in ("policy", "value", "entropy", "kl")}
+    out["clipfrac"] = means["clipfrac"]
     out["explained_variance"] = float("nan") if var_y == 0 else 1 - float(np.var(y - v)) / var_y
     return out
 
@@ -310,6 +396,8 @@ def save_checkpoint(path: Path, policy: torch.nn.Module, optimizer: torch.optim.
                     connector: dict[str, Any], timesteps: int, iteration: int, episodes: int,
                     cfg: PPOConfig, spaces: tuple[Any, Any]) -> None:  # fmt: skip
     """Policy, optimizer, normaliser and counters; written atomically."""
+    import torch
+
     tmp = path.with_suffix(".tmp")
     torch.save(
         {
@@ -328,14 +416,34 @@ def save_checkpoint(path: Path, policy: torch.nn.Module, optimizer: torch.optim.
     os.replace(tmp, path)
 
 
+_CHECKPOINT_KEYS = ("policy", "optimizer", "connector", "timesteps", "iteration", "episodes",
+                    "config", "observation_space", "action_space")  # fmt: skip
+
+
 def load_checkpoint(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The checkpoint of ``run_dir`` (a ``runs/<name>`` folder or the file itself)."""
+    """The checkpoint of ``run_dir`` (a ``runs/<name>`` folder or the file itself).
+
+    ``FileNotFoundError`` or ``ValueError`` naming the file when it is missing, unreadable
+    or not a PPO checkpoint.
+    """
+    import torch
+
     path = Path(run_dir)
-    if path.is_dir():
+    if path.is_dir() or (not path.exists() and path.suffix != ".pt"):
         path = path / CHECKPOINT_FILE
     if not path.exists():
         raise FileNotFoundError(f"no PPO checkpoint at {path}")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # torch raises many types for a damaged file
+        raise ValueError(
+            f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}: {e})"
+        ) from None
+    missing = [k for k in _CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    if missing:
+        raise ValueError(f"checkpoint {path} is not a PPO checkpoint (missing {missing})")
+    _check_keys(ckpt["config"], f"checkpoint {path}")
+    return ckpt
 
 
 def build_policy(cfg: PPOConfig, observation_space: Any, action_space: Any) -> torch.nn.Module:
@@ -346,6 +454,69 @@ def build_policy(cfg: PPOConfig, observation_space: Any, action_space: Any) -> t
     )
 
 
+# ---------------------------------------------------------------------------- start-up
+def start_ray() -> None:
+    """An embedded local Ray for this process, unless Ray is up or ``RAY_ADDRESS`` is set.
+
+    A fresh local Ray even when a ``ray start`` cluster runs on this machine (plain
+    ``ray.init()`` would join it). Ray would also pre-start idle workers for plain tasks
+    (runners, with env vars of their own, never use them) and run workers at nice 15; on a
+    small, shared machine both only take CPU from the runners, which are this job's work.
+    Called on the main thread: Ray's daemons die with the thread that started them.
+    """
+    import ray
+
+    from phalanx.resources.cluster import DEFAULT_EMBEDDED_CPUS, NAMESPACE
+
+    if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
+        return
+    ray.init(
+        address="local",
+        num_cpus=max(DEFAULT_EMBEDDED_CPUS, os.cpu_count() or 1),
+        num_gpus=0,
+        include_dashboard=False,
+        namespace=NAMESPACE,
+        _system_config={"prestart_worker_first_driver": False, "worker_niceness": 0},
+    )
+
+
+@dataclass
+class Learner:
+    """The learner's state: policy, optimizer, spaces and counters."""
+
+    policy: Any
+    optimizer: Any
+    spaces: tuple[Any, Any]
+    timesteps: int = 0
+    iteration: int = 0
+    episodes: int = 0
+
+
+def build_learner(cfg: PPOConfig, ckpt: dict[str, Any] | None) -> Learner:
+    """Policy and optimizer (from the checkpoint when given); runs on the start-up thread
+    while Ray and the runners start, so torch is imported here."""
+    import gymnasium as gym
+    import torch
+
+    import phalanx.weights.sender  # noqa: F401  (imported now, not at the first sync)
+
+    torch.set_num_threads(cfg.torch_threads)
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    env = gym.make(cfg.env, disable_env_checker=True, **cfg.env_config)
+    spaces = (env.observation_space, env.action_space)
+    env.close()
+    policy = build_policy(cfg, *spaces)
+    optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps)
+    learner = Learner(policy, optimizer, spaces)
+    if ckpt is not None:
+        policy.load_state_dict(ckpt["policy"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        learner.timesteps, learner.iteration = ckpt["timesteps"], ckpt["iteration"]
+        learner.episodes = ckpt["episodes"]
+    return learner
+
+
 # ---------------------------------------------------------------------------- training
 def train(
     cfg: PPOConfig,
@@ -354,51 +525,73 @@ def train(
     cluster: Any = None,
     progress: bool | None = None,
     on_iteration: Callable[[dict[str, Any], Any], bool | None] | None = None,
+    times: WallBreakdown | None = None,
 ) -> dict[str, Any]:
     """Run PPO until ``max_timesteps`` or ``stop_return``; returns a summary dict.
 
     Writes ``runs_dir/name/metrics.jsonl``, ``checkpoint.pt`` and ``learning_curve.png``.
     ``resume`` continues from that checkpoint (step count, policy, optimizer, normaliser).
     ``on_iteration(metrics, env_runner_group)`` is called after every iteration; a true
-    return value stops the run there.
+    return value stops the run there. ``times`` collects the wall-time breakdown (the
+    summary's ``breakdown``; a new one when not given).
     """
-    from phalanx._base import trace
-    from phalanx.envs import EnvRunnerGroup
-    from phalanx.observe.metrics import MetricsLogger
-    from phalanx.observe.progress import Progress
-
     t_start = time.perf_counter()
+    times = times if times is not None else WallBreakdown()
     cfg.validate()
+    if cfg.name is None:
+        cfg = replace(cfg, name=fresh_run_name(cfg.env, cfg.runs_dir))
     run_dir = Path(cfg.runs_dir) / cfg.name
     ckpt_path = run_dir / CHECKPOINT_FILE
-    ckpt = None
-    if resume:
-        ckpt = load_checkpoint(ckpt_path)
-    elif ckpt_path.exists():
+    if not resume and ckpt_path.exists():
         raise ValueError(
             f"name: {run_dir} already has a checkpoint; pass --resume to continue it or "
             "choose another --name"
         )
-    torch.set_num_threads(1)
-    torch.manual_seed(cfg.seed)
-    np.random.seed(cfg.seed)
 
-    runners = EnvRunnerGroup(
-        config=cfg.env_runner_config(),
-        local_env_runner=cfg.num_env_runners == 0,
-        cluster=cluster,
-        name=f"ppo_{cfg.name}_{os.getpid()}",
+    ckpt = load_checkpoint(ckpt_path) if resume else None
+
+    # 1. start-up: the learner is built on a helper thread while Ray and the runners start
+    pool = ThreadPoolExecutor(1, thread_name_prefix="ppo-learner-init")
+    learner_future: Future[Learner] = pool.submit(
+        _timed, times, "learner init", build_learner, cfg, ckpt
     )
-    obs_space, act_space = runners.get_spaces()["__env__"]
-    policy = build_policy(cfg, obs_space, act_space)
-    optimizer = torch.optim.Adam(policy.parameters(), lr=cfg.learning_rate, eps=1e-5)
-    timesteps, iteration, episodes = 0, 0, 0
-    if ckpt is not None:
-        policy.load_state_dict(ckpt["policy"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        runners.set_connector_state(ckpt["connector"])
-        timesteps, iteration, episodes = ckpt["timesteps"], ckpt["iteration"], ckpt["episodes"]
-    runners.sync_weights(from_worker_or_learner_group=policy, timeout_seconds=None)
+    pool.shutdown(wait=False)
+    runners = None
+    try:
+        if cluster is None and cfg.num_env_runners > 0:
+            with times.phase("ray start"):
+                start_ray()
+        from phalanx.envs import EnvRunnerGroup
+
+        with times.phase("env runners start"):
+            runners = EnvRunnerGroup(
+                config=cfg.env_runner_config(),
+                local_env_runner=cfg.num_env_runners == 0,
+                cluster=cluster,
+                name=f"ppo_{cfg.name}_{os.getpid()}",
+            )
+        with times.phase("waiting for learner init"):
+            learner = learner_future.result()
+        policy, optimizer = learner.policy, learner.optimizer
+        obs_space, act_space = learner.spaces
+        timesteps, iteration, episodes = learner.timesteps, learner.iteration, learner.episodes
+        remote_spaces = runners.get_spaces()["__env__"]
+        if remote_spaces != learner.spaces:
+            raise ValueError(
+                f"env: the runners' spaces {remote_spaces} differ from the learner's "
+                f"{learner.spaces}"
+            )
+        with times.phase("first weight sync"):
+            if ckpt is not None:
+                runners.set_connector_state(ckpt["connector"])
+            runners.sync_weights(from_worker_or_learner_group=policy, timeout_seconds=None)
+    except BaseException:
+        if runners is not None:
+            runners.stop()
+        raise
+    from phalanx._base import trace
+    from phalanx.observe.metrics import MetricsLogger
+    from phalanx.observe.progress import Progress
 
     log = MetricsLogger(run_dir, use_tensorboard=False)
     log.log_config({**asdict(cfg), "resumed_from": timesteps if ckpt else None})
@@ -406,32 +599,35 @@ def train(
         total=cfg.max_timesteps, start=timesteps, title=f"PPO {cfg.env}", enabled=progress
     )
     recent: deque[float] = deque(maxlen=cfg.stop_window)
+    min_episodes = min(cfg.stop_window, cfg.stop_min_episodes)
     first_iteration_at = timesteps
     t_loop = time.perf_counter()
     pending = runners.sample_async()
     reached = stopped = False
+    reached_at: float | None = None
     synced = True  # the runners hold the learner's current weights
     last: dict[str, Any] = {}
     try:
-        while timesteps < cfg.max_timesteps and not reached:
+        while timesteps < cfg.max_timesteps and not (reached or stopped):
             t_iter = time.perf_counter()
             # 1. collect the round in flight
-            with bar.waiting(
-                f"rollouts from {max(runners.num_healthy_remote_workers(), 1)} env runners"
-            ):
+            with bar.waiting("rollouts from the env runners"), times.phase("sampling (waited)"):
                 batches = runners.collect_samples(pending)
             t_sampled = time.perf_counter()
             t_sync = 0.0
-            if cfg.normalize_observations:
-                runners.sync_env_runner_states(env_steps_sampled=timesteps)
-            if cfg.async_sampling:
-                # The runners are idle now: give them the weights trained on the previous
-                # batch and start the next round, which samples while we train on this one.
-                if not synced:
-                    runners.sync_weights(from_worker_or_learner_group=policy, timeout_seconds=None)
-                    synced = True
-                t_sync = time.perf_counter() - t_sampled
-                pending = runners.sample_async()
+            with times.phase("weight sync"):
+                if cfg.normalize_observations:
+                    runners.sync_env_runner_states(env_steps_sampled=timesteps)
+                if cfg.async_sampling:
+                    # The runners are idle now: give them the weights trained on the previous
+                    # batch and start the next round, which samples while we train on this one.
+                    if not synced:
+                        runners.sync_weights(
+                            from_worker_or_learner_group=policy, timeout_seconds=None
+                        )
+                        synced = True
+                    t_sync = time.perf_counter() - t_sampled
+                    pending = runners.sample_async()
             if not batches:  # every runner died during the round; they are being restarted
                 if not cfg.async_sampling:
                     pending = runners.sample_async()
@@ -444,82 +640,106 @@ def train(
             new_returns = [r for b in batches for r in b["episode_returns"]]
             episodes += len(new_returns)
             recent.extend(new_returns)
+            mean_recent = float(np.mean(recent)) if recent else float("nan")
+            if (
+                cfg.stop_return is not None
+                and len(recent) >= min_episodes
+                and mean_recent >= cfg.stop_return
+            ):
+                reached = True  # this batch's policy made it; the update below still runs
+                reached_at = time.perf_counter() - t_start
             if cfg.anneal_lr:
-                frac = max(1.0 - timesteps / cfg.max_timesteps, 0.05)
+                frac = max(1.0 - timesteps / cfg.max_timesteps, cfg.lr_floor)
                 optimizer.param_groups[0]["lr"] = frac * cfg.learning_rate
             t_learn = time.perf_counter()
-            with trace.span("ppo.update", iteration=iteration):
+            with times.phase("learning"), trace.span("ppo.update", iteration=iteration):
                 stats = ppo_update(policy, optimizer, flatten_batches(batches, cfg), cfg)
             synced = False
             t_trained = time.perf_counter()
             # 3. synchronous mode: weights out, next round in
             if not cfg.async_sampling:
-                runners.sync_weights(from_worker_or_learner_group=policy, timeout_seconds=None)
-                synced = True
-                t_sync = time.perf_counter() - t_trained
-                pending = runners.sample_async()
-            mean_recent = float(np.mean(recent)) if recent else float("nan")
-            lengths = [x for b in batches for x in b["episode_lengths"]]
-            metrics = {
-                "timesteps": timesteps,
-                "iteration": iteration,
-                "episodes": episodes,
-                "return_mean": float(np.mean(new_returns)) if new_returns else float("nan"),
-                "return_std": float(np.std(new_returns)) if new_returns else float("nan"),
-                "return_mean_recent": mean_recent,
-                "episode_len_mean": float(np.mean(lengths)) if lengths else float("nan"),
-                **stats,
-                "lr": optimizer.param_groups[0]["lr"],
-                "time/rollout": t_sampled - t_iter,
-                "time/train": t_trained - t_learn,
-                "time/weight_sync": t_sync,
-                "time/step": time.perf_counter() - t_iter,
-                "time/total": time.perf_counter() - t_start,
-                "throughput/steps_per_s": (timesteps - first_iteration_at)
-                / max(time.perf_counter() - t_loop, 1e-9),
-                "restarts": runners.num_remote_worker_restarts(),
-                "healthy_env_runners": runners.num_healthy_remote_workers(),
-                "weights_version": runners.weights_version,
-                # versions the learner was ahead of the weights that sampled this batch
-                "policy_lag": learner_version - min(b["weights_version"] for b in batches),
-                "batch_runners": len(batches),
-            }
-            log.log(timesteps, metrics)
-            bar.update(timesteps, {**metrics, "return_mean": mean_recent})
+                with times.phase("weight sync"):
+                    runners.sync_weights(from_worker_or_learner_group=policy, timeout_seconds=None)
+                    synced = True
+                    t_sync = time.perf_counter() - t_trained
+                    pending = runners.sample_async()
+            with times.phase("metrics and progress"):
+                lengths = [x for b in batches for x in b["episode_lengths"]]
+                metrics = {
+                    "timesteps": timesteps,
+                    "iteration": iteration,
+                    "episodes": episodes,
+                    "return_mean": float(np.mean(new_returns)) if new_returns else float("nan"),
+                    "return_std": float(np.std(new_returns)) if new_returns else float("nan"),
+                    "return_mean_recent": mean_recent,
+                    "episode_len_mean": float(np.mean(lengths)) if lengths else float("nan"),
+                    **stats,
+                    "lr": optimizer.param_groups[0]["lr"],
+                    "time/rollout": t_sampled - t_iter,
+                    "time/train": t_trained - t_learn,
+                    "time/weight_sync": t_sync,
+                    "time/step": time.perf_counter() - t_iter,
+                    "time/total": time.perf_counter() - t_start,
+                    "throughput/steps_per_s": (timesteps - first_iteration_at)
+                    / max(time.perf_counter() - t_loop, 1e-9),
+                    "restarts": runners.num_remote_worker_restarts(),
+                    "healthy_env_runners": runners.num_healthy_remote_workers(),
+                    "weights_version": runners.weights_version,
+                    # versions the learner was ahead of the weights that sampled this batch
+                    "policy_lag": learner_version - min(b["weights_version"] for b in batches),
+                    "batch_runners": len(batches),
+                }
+                log.log(timesteps, metrics)
+                bar.update(timesteps, {**metrics, "return_mean": mean_recent})
             last = metrics
             if on_iteration is not None and on_iteration(metrics, runners):
-                reached = stopped = True
-            if (
-                cfg.stop_return is not None
-                and len(recent) >= min(cfg.stop_window, 10)
-                and mean_recent >= cfg.stop_return
-            ):
-                reached = True
-            if iteration % cfg.checkpoint_every == 0:
-                save_checkpoint(ckpt_path, policy, optimizer, runners.get_connector_state(),
-                                timesteps, iteration, episodes, cfg, (obs_space, act_space))  # fmt: skip
+                stopped = True
+            if iteration % cfg.checkpoint_every == 0 and not (reached or stopped):
+                with times.phase("checkpoints"):
+                    save_checkpoint(ckpt_path, policy, optimizer, runners.get_connector_state(),
+                                    timesteps, iteration, episodes, cfg, (obs_space, act_space))  # fmt: skip
     finally:
         bar.close()
         log.close()
-        save_checkpoint(ckpt_path, policy, optimizer, runners.get_connector_state(),
-                        timesteps, iteration, episodes, cfg, (obs_space, act_space))  # fmt: skip
+        t_loop_end = time.perf_counter()
+        with times.phase("checkpoints"):
+            save_checkpoint(ckpt_path, policy, optimizer, runners.get_connector_state(),
+                            timesteps, iteration, episodes, cfg, (obs_space, act_space))  # fmt: skip
         restarts = runners.num_remote_worker_restarts()
-        runners.stop()
+        with times.phase("env runners stop"):
+            runners.stop()
+    with times.phase("plotting"):
+        plot_learning_curve(run_dir)
     wall = time.perf_counter() - t_start
-    plot_learning_curve(run_dir)
     return {
         "timesteps": timesteps,
         "iterations": iteration,
         "episodes": episodes,
         "return_mean_recent": float(np.mean(recent)) if recent else float("nan"),
-        "reached_stop_return": reached and cfg.stop_return is not None,
+        "reached_stop_return": reached,
         "stopped_by_callback": stopped,
+        "time_to_stop_return_s": reached_at,
         "wall_time_s": wall,
-        "train_loop_s": time.perf_counter() - t_loop,
+        "train_loop_s": t_loop_end - t_loop,
         "steps_per_s": last.get("throughput/steps_per_s", float("nan")),
         "restarts": restarts,
         "run_dir": str(run_dir),
+        "breakdown": times.as_dict(wall),
     }
+
+
+def _timed(times: WallBreakdown, phase: str, fn: Callable[..., Any], *args: Any) -> Any:
+    with times.phase(phase, overlapped=True):
+        return fn(*args)
+
+
+def fresh_run_name(env: str, runs_dir: str) -> str:
+    """``ppo-<env>``, or ``ppo-<env>-2``, ... : the first one without a checkpoint."""
+    name, i = f"ppo-{env}", 1
+    while (Path(runs_dir) / name / CHECKPOINT_FILE).exists():
+        i += 1
+        name = f"ppo-{env}-{i}"
+    return name
 
 
 def plot_learning_curve(run_dir: Path) -> Path | None:
@@ -532,9 +752,10 @@ def plot_learning_curve(run_dir: Path) -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend machinery to import
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.add_subplot()
     ax.plot([r["timesteps"] for r in rows], [r["return_mean_recent"] for r in rows])
     ax.set_xlabel("timesteps")
     ax.set_ylabel("mean return (recent episodes)")
@@ -543,144 +764,112 @@ def plot_learning_curve(run_dir: Path) -> Path | None:
     out = run_dir / "learning_curve.png"
     fig.tight_layout()
     fig.savefig(out, dpi=100)
-    plt.close(fig)
     return out
 
 
 # ---------------------------------------------------------------------------- command line
-_FLAGS: list[tuple[str, str, Any, str]] = [
-    # flag, PPOConfig field, type, help
-    ("--env", "env", str, "gymnasium env id (default CartPole-v1)"),
-    ("--env-runners", "num_env_runners", int, "remote env runner processes; 0 samples in this process (default 2)"),
-    ("--envs-per-runner", "num_envs_per_env_runner", int, "vectorised envs per runner"),
-    ("--rollout-length", "rollout_fragment_length", int, "vector steps per runner per iteration"),
-    ("--seed", "seed", int, "random seed (default 1)"),
-    ("--max-timesteps", "max_timesteps", int, "stop after this many env steps"),
-    ("--stop-return", "stop_return", float, "stop once the mean return of the last --stop-window episodes reaches R (exit 0)"),
-    ("--stop-window", "stop_window", int, "episodes averaged for --stop-return (default 20)"),
-    ("--lr", "learning_rate", float, "Adam learning rate"),
-    ("--minibatch-size", "minibatch_size", int, "SGD minibatch size"),
-    ("--epochs", "update_epochs", int, "SGD passes over each batch"),
-    ("--name", "name", str, "run name: output goes to <runs-dir>/<name> (default ppo-<env>)"),
-    ("--runs-dir", "runs_dir", str, "folder of runs (default runs)"),
-]  # fmt: skip
+@dataclass
+class TrainPPO:
+    """PPO on a gymnasium env with phalanx env runners. Defaults shown are the values tuned
+    for --env; a --config YAML file sets any PPOConfig field (env_config too) and flags win
+    over it. Exit status: 0 done or --stop-return reached, 2 budget spent first, 1 bad input."""
+
+    ppo: PPOConfig
+    config: Path | None = None
+    """YAML file of PPOConfig fields (unknown keys are an error)"""
+    resume: bool = False
+    """continue <runs-dir>/<name> from its checkpoint (step count, policy, optimizer, normaliser)"""
+    trace: bool = False
+    """record a trace of group calls into the run folder (open it in ui.perfetto.dev)"""
+    progress: bool = True
+    """live progress display (--no-progress: none)"""
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``phalanx train ppo``."""
-    parser.epilog = (
-        "Every PPOConfig field can also be set with --set FIELD=VALUE or in a YAML file "
-        "given with --config (flags win over the file). Fields: "
-        + ", ".join(f.name for f in fields(PPOConfig))
-    )
-    for flag, dest, kind, help_text in _FLAGS:
-        if "default" not in help_text:
-            help_text += " (default: PPOConfig.for_env(env), tuned per env)"
-        parser.add_argument(flag, dest=dest, type=kind, default=None, help=help_text)
-    parser.add_argument("--async", dest="async_sampling", action="store_const", const=True,
-                        default=None, help="sample the next batch while the learner trains")  # fmt: skip
-    parser.add_argument("--normalize-obs", dest="normalize_observations", action="store_const",
-                        const=True, default=None, help="running observation normaliser")  # fmt: skip
-    parser.add_argument("--config", dest="config_file", default=None,
-                        help="YAML file of PPOConfig fields")  # fmt: skip
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                        help="set any PPOConfig field (repeatable), e.g. --set ent_coef=0.01")  # fmt: skip
-    parser.add_argument("--resume", action="store_true",
-                        help="continue <runs-dir>/<name> from its checkpoint (step count, policy, optimizer, normaliser)")  # fmt: skip
-    parser.add_argument("--trace", action="store_true",
-                        help="record a trace of group calls into the run folder (phalanx._base.trace)")  # fmt: skip
-    parser.add_argument("--no-progress", dest="progress", action="store_false", default=None,
-                        help="no live progress display")  # fmt: skip
-
-
-def _parse_value(field_: dataclasses.Field, text: str) -> Any:
+def _defaults(argv: list[str]) -> TrainPPO:
+    """What flags not given fall back to: the checkpoint's config (``--resume``) or the
+    tuned values of the env, then the ``--config`` file on top."""
     import yaml
 
-    value = yaml.safe_load(text)
-    if field_.name == "hidden" and isinstance(value, (list, tuple)):
-        return tuple(value)
-    return value
-
-
-def config_from_args(args: argparse.Namespace) -> tuple[PPOConfig, bool]:
-    """The run's config: tuned values for the env < YAML file < --set < flags.
-
-    With ``--resume`` the checkpoint's config is the base instead.
-    """
-    import yaml
-
-    values: dict[str, Any] = {}
-    if args.config_file:
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag in ("--env", "--config", "--name", "--runs-dir"):
+        pre.add_argument(flag)
+    pre.add_argument("--resume", action="store_true")
+    known, _ = pre.parse_known_args(argv)
+    from_file: dict[str, Any] = {}
+    if known.config:
         try:
-            with open(args.config_file, encoding="utf-8") as f:
+            with open(known.config, encoding="utf-8") as f:
                 loaded = yaml.safe_load(f) or {}
-        except OSError as e:
-            raise ValueError(f"--config: cannot read {args.config_file}: {e}") from None
+        except (OSError, yaml.YAMLError) as e:
+            raise ValueError(f"--config: cannot read {known.config}: {e}") from None
         if not isinstance(loaded, dict):
-            raise ValueError(
-                f"--config: {args.config_file} must hold a mapping of PPOConfig fields"
-            )
-        values.update({k.replace("-", "_"): v for k, v in loaded.items()})
-    known = {f.name: f for f in fields(PPOConfig)}
-    for item in args.overrides:
-        key, sep, text = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or key not in known:
-            raise ValueError(
-                f"--set {item!r}: expected FIELD=VALUE with FIELD one of {sorted(known)}"
-            )
-        values[key] = _parse_value(known[key], text)
-    for _, dest, _, _ in _FLAGS:
-        if getattr(args, dest, None) is not None:
-            values[dest] = getattr(args, dest)
-    for dest in ("async_sampling", "normalize_observations"):
-        if getattr(args, dest, None) is not None:
-            values[dest] = getattr(args, dest)
-    if args.resume:
-        name = values.get("name")
-        runs_dir = values.get("runs_dir", "runs")
+            raise ValueError(f"--config: {known.config} must hold a mapping of PPOConfig fields")
+        from_file = _check_keys(loaded, f"--config {known.config}")
+    name = known.name or from_file.get("name")
+    if known.resume:
         if not name:
             raise ValueError("--resume needs --name (the run to continue)")
+        runs_dir = known.runs_dir or from_file.get("runs_dir") or PPOConfig.runs_dir
         ckpt = load_checkpoint(Path(runs_dir) / name)
-        base = {**ckpt["config"], **values}
-        return PPOConfig.from_dict(base), True
-    env = values.get("env", PPOConfig.env)
-    if "name" not in values:  # a fresh folder: ppo-<env>, ppo-<env>-2, ...
-        runs_dir = Path(values.get("runs_dir", PPOConfig.runs_dir))
-        name, i = f"ppo-{env}", 1
-        while (runs_dir / name / CHECKPOINT_FILE).exists():
-            i += 1
-            name = f"ppo-{env}-{i}"
-        values["name"] = name
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ValueError(f"--config: unknown PPO config keys {unknown} (known: {sorted(known)})")
-    return PPOConfig.for_env(
-        **{"env": env, **{k: v for k, v in values.items() if k != "env"}}
-    ), False
+        base = {**ckpt["config"], **from_file}
+        if isinstance(base.get("hidden"), list):
+            base["hidden"] = tuple(base["hidden"])
+        return TrainPPO(ppo=PPOConfig(**base), resume=True)
+    env = known.env or from_file.get("env") or PPOConfig.env
+    return TrainPPO(
+        ppo=PPOConfig.for_env(env, **{k: v for k, v in from_file.items() if k != "env"})
+    )
 
 
-def run(args: argparse.Namespace) -> int:
-    """``phalanx train ppo``: 0 when done (or ``--stop-return`` reached), 2 when the budget
-    ran out before ``--stop-return``, 1 on a configuration error."""
+def cli(argv: list[str]) -> int:
+    """``phalanx train ppo [flags]``; returns the exit status (see ``TrainPPO``)."""
     try:
-        cfg, resume = config_from_args(args)
-        cfg.validate()
+        default = _defaults(argv)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"phalanx train ppo: error: {e}", file=sys.stderr)
         return 1
-    trace_ctx = _tracing(args.trace, Path(cfg.runs_dir) / cfg.name)
     try:
-        with trace_ctx:
-            summary = train(cfg, resume=resume, progress=args.progress)
-    except ValueError as e:
+        args = tyro.cli(
+            TrainPPO,
+            args=argv,
+            default=default,
+            prog="phalanx train ppo",
+            config=(tyro.conf.OmitArgPrefixes,),
+        )
+    except SystemExit as e:  # --help (0) or a bad flag (tyro printed why)
+        return 0 if e.code in (0, None) else 1
+    cfg = args.ppo
+    try:
+        cfg.validate()
+        if args.resume and default.resume is False:
+            raise ValueError("--resume needs --name (the run to continue)")
+        if cfg.name is None:
+            cfg = replace(cfg, name=fresh_run_name(cfg.env, cfg.runs_dir))
+    except (ValueError, TypeError) as e:
         print(f"phalanx train ppo: error: {e}", file=sys.stderr)
         return 1
+    started_s = process_age_s()  # interpreter start-up, imports and parsing
+    times = WallBreakdown()
+    times.add("python start-up and imports", started_s)
+    try:
+        with _tracing(args.trace, Path(cfg.runs_dir) / cfg.name):
+            summary = train(cfg, resume=args.resume, progress=args.progress, times=times)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"phalanx train ppo: error: {e}", file=sys.stderr)
+        return 1
+    total = process_age_s()
+    if summary["time_to_stop_return_s"] is not None:
+        summary["time_to_stop_return_s"] += started_s
+    summary["process_wall_s"] = total
+    summary["breakdown"] = times.as_dict(total)
     print(json.dumps(summary, indent=2))
+    print(times.table(total, title="wall time since the process started"))
+    reached = summary["time_to_stop_return_s"]
     print(
-        f"{cfg.env}: {summary['timesteps']:,} timesteps in {summary['wall_time_s']:.1f}s, "
-        f"mean return {summary['return_mean_recent']:.1f}, "
-        f"{summary['steps_per_s']:,.0f} env steps/s, {summary['restarts']} restarts; "
+        f"{cfg.env}: {summary['timesteps']:,} timesteps, mean return "
+        f"{summary['return_mean_recent']:.1f}"
+        + (f" (stop return reached {reached:.1f} s after start)" if reached is not None else "")
+        + f", {summary['steps_per_s']:,.0f} env steps/s, {summary['restarts']} restarts; "
         f"run folder {summary['run_dir']}"
     )
     if cfg.stop_return is not None and not summary["reached_stop_return"]:

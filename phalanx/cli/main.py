@@ -1,7 +1,9 @@
 """The ``phalanx`` command line.
 
-Each subcommand lives in its own module, imported only when used; a module provides
-``add_arguments(parser)`` and ``run(args) -> int``:
+Each subcommand lives in its own module, imported only when used. ``phalanx train <algo>``
+hands the rest of the command line to ``cli(argv) -> int`` of the algorithm's module,
+which builds its flags from its config dataclass (a module without ``cli`` provides
+``add_arguments(parser)`` and ``run(args) -> int``, as the other subcommands do):
 
     phalanx demo                      runtime demonstration (phalanx.cli.demo)
     phalanx train ppo ...             PPO on gymnasium (phalanx.algorithms.ppo)
@@ -22,6 +24,7 @@ _COMMANDS = {
     "eval": ("phalanx.algorithms.evaluate", "run a saved policy and print its mean return"),
     "report": ("phalanx.cli.report", "summarise a run: table in the terminal, PNG plots"),
     "status": ("phalanx.cli.status", "list live phalanx groups on the current Ray cluster"),
+    "models": ("phalanx.cli.models", "fetch or convert a pretrained model (no hub needed)"),
 }
 _TRAIN = {
     "ppo": ("phalanx.algorithms.ppo", "PPO on a gymnasium environment"),
@@ -56,13 +59,24 @@ def build_parser() -> argparse.ArgumentParser:
         mod = _module(path)
         if mod is None:
             continue
-        p = algos.add_parser(name, help=help_text, description=help_text)
-        mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        p = algos.add_parser(name, help=help_text, description=help_text, add_help=False)
+        if hasattr(mod, "cli"):  # the module parses its own flags: pass them through
+            p.add_argument("argv", nargs=argparse.REMAINDER)
+            p.set_defaults(_run=lambda args, mod=mod: mod.cli(list(args.argv)))
+        else:
+            p.add_argument("-h", "--help", action="help", help="show this help message and exit")
+            mod.add_arguments(p)
+            p.set_defaults(_run=mod.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) >= 2 and argv[0] == "train" and argv[1] in _TRAIN:
+        # ``phalanx train <algo> ...``: only that algorithm's module is imported
+        mod = _module(_TRAIN[argv[1]][0])
+        if mod is not None and hasattr(mod, "cli"):
+            return int(mod.cli(argv[2:]) or 0)
     args = build_parser().parse_args(argv)
     return int(args._run(args) or 0)
 

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from phalanx._base.lazy import lazy_exports
 from phalanx.comm.config import CommConfig, configure
-from phalanx.comm.errors import CommError, PeerDiedError, PeerNotFoundError
+from phalanx.comm.errors import (
+    AuthenticationError,
+    ChannelClosedError,
+    ChannelEmpty,
+    ChannelFull,
+    CommError,
+    PeerDiedError,
+    PeerNotFoundError,
+)
 from phalanx.comm.mixin import CommMixin
 from phalanx.comm.work import Work
 
@@ -32,7 +40,11 @@ __getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = [
+    "AuthenticationError",
     "Channel",
+    "ChannelClosedError",
+    "ChannelEmpty",
+    "ChannelFull",
     "CollectiveGroup",
     "CommConfig",
     "CommError",

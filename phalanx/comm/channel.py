@@ -1,4 +1,4 @@
-"""Channels: named FIFO queues (one per key) that pipeline work between groups.
+"""Channels: named FIFO queues (one per key) that pipeline work between groups (RLinf's API).
 
 A channel is a small Ray actor (``px-channel:<name>``) with its own communication
 endpoint. Producers and consumers talk to it over the same point-to-point path as
@@ -7,31 +7,57 @@ never pickled. The server is event-driven: a ``get`` waiting on an empty key is 
 parked request, so it never blocks ``put``s. ``maxsize`` bounds each key's queue; a
 ``put`` to a full key waits (back-pressure) until a consumer takes an item.
 
-``get_batch(target_weight)`` returns the oldest items whose weights add up to at least
-``target_weight`` (the last item may overshoot), waiting until that much is queued.
+As in RLinf: ``put(item, weight=0, key=DEFAULT_KEY, async_op=False)``; ``get_nowait`` /
+``put_nowait`` raise ``asyncio.QueueEmpty`` / ``asyncio.QueueFull`` (phalanx's
+``ChannelEmpty`` / ``ChannelFull``, which are also ``queue.Empty`` / ``queue.Full``);
+``get_batch(target_weight)`` takes the oldest items while the next one would not push
+the total over ``target_weight``, and stops once the total reaches it (with weights
+1, 2, 3 and a target of 2 it returns the first item only; an empty key is waited on);
+``str(channel)`` shows the items queued under each key. A ``get`` that times out is
+withdrawn, so no item is handed to a receive nobody waits for. After ``close`` every
+operation raises ``ChannelClosedError``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import os
-import queue
 import threading
 import time
 from collections import defaultdict, deque
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
 from phalanx._base import trace as _trace
 from phalanx.comm.endpoint import ACTOR_NAMESPACE, get_endpoint
-from phalanx.comm.errors import CommError, PeerDiedError
+from phalanx.comm.errors import (
+    ChannelClosedError,
+    ChannelEmpty,
+    ChannelFull,
+    CommError,
+    PeerDiedError,
+)
 from phalanx.comm.wire import encode
 from phalanx.comm.work import Work
 
-DEFAULT_KEY = "default"
+DEFAULT_KEY = "default_queue"  # RLinf's name of the default queue
 _PREFIX = "px-channel:"
 _OWNED: dict[str, Any] = {}  # actor handles of channels created by this process (keep them alive)
+_CLOSED = "__px_closed__"  # the server's notice to its clients that the channel was closed
+
+
+@dataclass
+class _Getter:
+    """A parked ``get`` (``target is None``) or ``get_batch`` with what it has taken so far."""
+
+    client: str
+    req: int
+    target: float | None = None
+    batch: list[tuple[Any, float]] = field(default_factory=list)
+    acc: float = 0.0
 
 
 class _ChannelServer:
@@ -40,10 +66,12 @@ class _ChannelServer:
     def __init__(self, name: str, maxsize: int):
         self.name = name
         self.maxsize = maxsize
+        self.closed = False
         self.lock = threading.Lock()
         self.items: dict[Any, deque[tuple[Any, float]]] = defaultdict(deque)
-        self.getters: dict[Any, deque[tuple[str, int, float | None]]] = defaultdict(deque)
+        self.getters: dict[Any, deque[_Getter]] = defaultdict(deque)
         self.putters: dict[Any, deque[tuple[str, int, Any, float]]] = defaultdict(deque)
+        self.clients: set[str] = set()
         self.ep = get_endpoint()
         self.ep.default_handler = self._on_message
 
@@ -58,11 +86,36 @@ class _ChannelServer:
     def _px_ping(self) -> int:
         return os.getpid()
 
+    def close(self) -> int:
+        """Refuse further requests and tell every client; returns how many were told."""
+        err = ChannelClosedError(self.ep.name, f"channel {self.name!r} was closed")
+        replies: list[tuple[str, int, bool, Any]] = []
+        with self.lock:
+            self.closed = True
+            for d in self.getters.values():
+                replies.extend((g.client, g.req, False, err) for g in d)
+                d.clear()
+            for d in self.putters.values():
+                replies.extend((p[0], p[1], False, err) for p in d)
+                d.clear()
+            clients = sorted(self.clients)
+        replies.extend((c, -1, False, _CLOSED) for c in clients)
+        self._reply(replies)
+        return len(clients)
+
     # -- request handling (reader threads) ---------------------------------------------
     def _on_message(self, client: str, msg: Any) -> None:
         if isinstance(msg, BaseException):  # the client died: drop its parked requests
             with self.lock:
-                for d in (*self.getters.values(), *self.putters.values()):
+                self.clients.discard(client)
+                for key, d in self.getters.items():
+                    mine = [g for g in d if g.client == client]
+                    kept = [g for g in d if g.client != client]
+                    d.clear()
+                    d.extend(kept)
+                    for g in reversed(mine):  # a partial batch goes back, in order
+                        self.items[key].extendleft(reversed(g.batch))
+                for d in self.putters.values():
                     kept = [e for e in d if e[0] != client]
                     d.clear()
                     d.extend(kept)
@@ -70,53 +123,65 @@ class _ChannelServer:
         op, req, key, a, b = msg
         replies: list[tuple[str, int, bool, Any]] = []
         with self.lock:
-            q = self.items[key]
-            if op == "put" or op == "put_nowait":
-                if self.maxsize == 0 or (len(q) < self.maxsize and not self.putters[key]):
-                    q.append((a, b))
-                    if req >= 0:
-                        replies.append((client, req, True, None))
-                elif op == "put_nowait":
-                    replies.append(
-                        (
-                            client,
-                            req,
-                            False,
-                            queue.Full(f"channel {self.name!r} key {key!r} is full"),
-                        )
-                    )
-                else:
-                    self.putters[key].append((client, req, a, b))
-                self._serve(key, replies)
-            elif op == "get" or op == "get_batch":
-                self.getters[key].append((client, req, b if op == "get_batch" else None))
-                self._serve(key, replies)
-            elif op == "get_nowait":
-                if q and not self.getters[key]:
-                    replies.append((client, req, True, q.popleft()[0]))
-                    self._refill(key, replies)
-                else:
-                    replies.append(
-                        (
-                            client,
-                            req,
-                            False,
-                            queue.Empty(f"channel {self.name!r} key {key!r} is empty"),
-                        )
-                    )
-            elif op == "qsize":
-                replies.append((client, req, True, len(q)))
-            elif op == "full":
-                replies.append((client, req, True, self.maxsize > 0 and len(q) >= self.maxsize))
+            self.clients.add(client)
+            if self.closed:
+                err = ChannelClosedError(self.ep.name, f"channel {self.name!r} was closed")
+                replies.append((client, req, False, err))
             else:
-                replies.append(
-                    (client, req, False, ValueError(f"unknown channel operation {op!r}"))
-                )
+                self._handle(client, op, req, key, a, b, replies)
+        self._reply(replies)
+
+    def _handle(self, client: str, op: str, req: int, key: Any, a: Any, b: Any, replies: list):
+        q = self.items[key]
+        if op in ("put", "put_nowait"):
+            if self.maxsize == 0 or (len(q) < self.maxsize and not self.putters[key]):
+                q.append((a, b))
+                if req >= 0:
+                    replies.append((client, req, True, None))
+            elif op == "put_nowait":
+                full = ChannelFull(f"channel {self.name!r} key {key!r} is full")
+                replies.append((client, req, False, full))
+            else:
+                self.putters[key].append((client, req, a, b))
+            self._serve(key, replies)
+        elif op in ("get", "get_batch"):
+            self.getters[key].append(_Getter(client, req, b if op == "get_batch" else None))
+            self._serve(key, replies)
+        elif op == "get_nowait":
+            if q and not self.getters[key]:
+                replies.append((client, req, True, q.popleft()[0]))
+                self._refill(key, replies)
+            else:
+                empty = ChannelEmpty(f"channel {self.name!r} key {key!r} is empty")
+                replies.append((client, req, False, empty))
+        elif op == "cancel":  # withdraw the parked get ``a`` of this client, if still parked
+            replies.append((client, req, True, self._cancel(client, key, a)))
+            self._serve(key, replies)
+        elif op == "qsize":
+            replies.append((client, req, True, len(q)))
+        elif op == "full":
+            replies.append((client, req, True, self.maxsize > 0 and len(q) >= self.maxsize))
+        elif op == "peek_all":
+            queued = {k: [item for item, _ in v] for k, v in self.items.items() if v}
+            replies.append((client, req, True, queued))
+        else:
+            replies.append((client, req, False, ValueError(f"unknown channel operation {op!r}")))
+
+    def _reply(self, replies: list[tuple[str, int, bool, Any]]) -> None:
         for to, req_id, ok, value in replies:
             try:
                 self.ep.send(to, encode((req_id, ok, value)), async_op=False)
             except CommError:
                 pass  # that client is gone; its requests die with it
+
+    def _cancel(self, client: str, key: Any, req: int) -> bool:
+        d = self.getters[key]
+        for g in d:
+            if g.client == client and g.req == req:
+                d.remove(g)
+                self.items[key].extendleft(reversed(g.batch))
+                return True
+        return False
 
     def _refill(self, key: Any, replies: list) -> None:
         q, putters = self.items[key], self.putters[key]
@@ -126,35 +191,34 @@ class _ChannelServer:
             replies.append((client, req, True, None))
 
     def _serve(self, key: Any, replies: list) -> None:
+        """Hand queued items to the parked getters of ``key``, oldest first."""
         q, getters = self.items[key], self.getters[key]
-        while getters:
-            client, req, target = getters[0]
-            if target is None:
+        while True:
+            self._refill(key, replies)  # an item taken makes room for a blocked put
+            if not getters:
+                return
+            g = getters[0]
+            if g.target is None:
                 if not q:
-                    self._refill(key, replies)
-                    if not q:
-                        return
-                getters.popleft()
-                replies.append((client, req, True, q.popleft()[0]))
-            else:
-                total = sum(w for _, w in q) + sum(p[3] for p in self.putters[key])
-                if total < target:
                     return
                 getters.popleft()
-                batch, acc = [], 0.0
-                while acc < target:
-                    if not q:
-                        self._refill_one(key, replies)
-                    item, w = q.popleft()
-                    batch.append(item)
-                    acc += w
-                replies.append((client, req, True, batch))
-            self._refill(key, replies)
-
-    def _refill_one(self, key: Any, replies: list) -> None:
-        client, req, item, weight = self.putters[key].popleft()
-        self.items[key].append((item, weight))
-        replies.append((client, req, True, None))
+                replies.append((g.client, g.req, True, q.popleft()[0]))
+                continue
+            done = False
+            while q and not done:
+                item, w = q[0]
+                if g.acc + w > g.target:
+                    done = True
+                    break
+                q.popleft()
+                g.batch.append((item, w))
+                g.acc += w
+                done = g.acc >= g.target
+                self._refill(key, replies)
+            if not done:
+                return  # waits for more items, holding what it took (as RLinf's does)
+            getters.popleft()
+            replies.append((g.client, g.req, True, [item for item, _ in g.batch]))
 
 
 class _Client:
@@ -163,33 +227,41 @@ class _Client:
     _clients: dict[str, _Client] = {}
     _lock = threading.Lock()
 
-    def __init__(self, server: str):
+    def __init__(self, server: str, name: str):
         self.server = server
+        self.name = name
         self.ep = get_endpoint()
         self.ids = itertools.count()
-        self.pending: dict[int, Any] = {}
+        self.pending: dict[int, concurrent.futures.Future] = {}
         self.plock = threading.Lock()
+        self.closed: CommError | None = None
         self.ep.set_handler(server, self._on_reply)
         self.ep.inbox(server).has_pending = lambda: bool(self.pending)
 
     @classmethod
-    def of(cls, server: str) -> _Client:
+    def of(cls, server: str, name: str) -> _Client:
         with cls._lock:
             client = cls._clients.get(server)
             if client is None or client.ep is not get_endpoint():
-                client = cls._clients[server] = cls(server)
+                client = cls._clients[server] = cls(server, name)
             return client
 
     def _on_reply(self, peer: str, msg: Any) -> None:
         if isinstance(msg, BaseException):
+            err = msg if isinstance(msg, CommError) else PeerDiedError(peer, str(msg))
+            self.closed = ChannelClosedError(
+                peer, f"channel {self.name!r} is closed or its actor died ({err})"
+            )
             with self.plock:
                 futs, self.pending = list(self.pending.values()), {}
-            err = msg if isinstance(msg, CommError) else PeerDiedError(peer, str(msg))
             for f in futs:
                 if not f.done():
                     f.set_exception(err)
             return
         req, ok, value = msg
+        if req == -1 and value == _CLOSED:
+            self.closed = ChannelClosedError(peer, f"channel {self.name!r} was closed")
+            return
         with self.plock:
             fut = self.pending.pop(req, None)
         if fut is None:
@@ -201,9 +273,9 @@ class _Client:
 
     def request(
         self, what: str, op: str, key: Any, a: Any = None, b: Any = None, reply: bool = True
-    ) -> Work:
-        import concurrent.futures
-
+    ) -> tuple[int, Work]:
+        if self.closed is not None:
+            raise self.closed
         fut: concurrent.futures.Future = concurrent.futures.Future()
         req = next(self.ids) if reply else -1
         if reply:
@@ -211,19 +283,36 @@ class _Client:
                 self.pending[req] = fut
         try:
             self.ep.send(self.server, encode((op, req, key, a, b)), async_op=False)
-        except BaseException:
+        except BaseException as e:
             with self.plock:
                 self.pending.pop(req, None)
+            if isinstance(e, PeerDiedError):
+                raise ChannelClosedError(
+                    self.server, f"channel {self.name!r} is closed or its actor died ({e})"
+                ) from None
             raise
         if not reply:
             fut.set_result(None)
-        return Work(what, fut)
+        return req, Work(what, fut)
+
+    def wait_or_withdraw(self, req: int, work: Work, key: Any, timeout: float | None) -> Any:
+        """Wait for a parked get; on timeout withdraw it, unless the item is already on its way."""
+        try:
+            return work.wait(timeout)
+        except TimeoutError:
+            _, cancel = self.request("cancel", "cancel", key, req)
+            if cancel.wait(60):
+                with self.plock:
+                    self.pending.pop(req, None)
+                raise
+            # Not parked any more: its reply was sent before the cancel's answer.
+            return work.wait(60)
 
 
 class Channel:
     """A handle to a named channel; picklable, so it can be passed to workers.
 
-    Create with ``Channel.create(name, node_id=0, maxsize=0)`` (or a worker's
+    Create with ``Channel.create(name, node_rank=0, maxsize=0)`` (or a worker's
     ``self.create_channel``), connect with ``Channel.connect(name)``.
     """
 
@@ -234,18 +323,45 @@ class Channel:
 
     # -- creation ---------------------------------------------------------------------
     @classmethod
-    def create(cls, name: str, node_id: int = 0, maxsize: int = 0) -> Channel:
-        """Start the channel actor on node rank ``node_id``; each key holds at most ``maxsize`` items (0: unbounded)."""
+    def create(
+        cls,
+        name: str,
+        node_rank: int = 0,
+        maxsize: int = 0,
+        *,
+        distributed: bool = False,
+        local: bool = False,
+        node_id: int | None = None,
+    ) -> Channel:
+        """Start the channel actor on node rank ``node_rank``; each key holds at most ``maxsize`` items (0: unbounded).
+
+        ``node_id`` is the seed document's older name of ``node_rank``. RLinf's
+        ``distributed=True`` (one replica per node) and ``local=True`` (in-process only)
+        are not supported: they raise ``NotImplementedError``.
+        """
         _check_name(name)
-        if isinstance(node_id, bool) or not isinstance(node_id, int) or node_id < 0:
-            raise ValueError(f"node_id must be a non-negative int (a node rank), got {node_id!r}")
+        if node_id is not None:
+            if node_rank != 0:
+                raise ValueError("give node_rank or node_id (its older name), not both")
+            node_rank = node_id
+        if isinstance(node_rank, bool) or not isinstance(node_rank, int) or node_rank < 0:
+            raise ValueError(f"node_rank must be a non-negative int, got {node_rank!r}")
         if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
             raise ValueError(f"maxsize must be a non-negative int, got {maxsize!r}")
+        if distributed:
+            raise NotImplementedError(
+                "distributed=True: phalanx channels have one actor; per-node replicas are "
+                "not supported"
+            )
+        if local:
+            raise NotImplementedError(
+                "local=True: phalanx has no in-process channel; use queue.Queue or asyncio.Queue"
+            )
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         from phalanx.resources.cluster import Cluster
 
-        node = Cluster().node(node_id)
+        node = Cluster().node(node_rank)
         try:
             ray.get_actor(_PREFIX + name, namespace=ACTOR_NAMESPACE)
         except ValueError:
@@ -268,8 +384,11 @@ class Channel:
         return cls(name, maxsize)
 
     @classmethod
-    def connect(cls, name: str) -> Channel:
-        """A handle to an existing channel; ``ValueError`` naming it if there is none."""
+    def connect(cls, name: str, current_worker: Any = None) -> Channel:
+        """A handle to an existing channel; ``ValueError`` naming it if there is none.
+
+        ``current_worker`` is accepted for RLinf's signature; phalanx does not need it.
+        """
         _check_name(name)
         try:
             actor = ray.get_actor(_PREFIX + name, namespace=ACTOR_NAMESPACE)
@@ -281,14 +400,23 @@ class Channel:
         return cls(name, info["maxsize"])
 
     def close(self) -> None:
-        """Stop the channel actor (items still queued are lost)."""
+        """Stop the channel actor: queued items are dropped, waiting operations and any later
+        ``put``/``get`` on any handle raise ``ChannelClosedError``."""
+        client = _Client._clients.get(self._server)
         actor = _OWNED.pop(self.name, None)
         if actor is None:
             try:
                 actor = ray.get_actor(self._server, namespace=ACTOR_NAMESPACE)
             except ValueError:
-                return
-        ray.kill(actor, no_restart=True)
+                actor = None
+        if actor is not None:
+            try:
+                ray.get(actor.close.remote(), timeout=60)
+            except Exception:  # noqa: BLE001 - already dead: nothing to tell
+                pass
+            ray.kill(actor, no_restart=True)
+        if client is not None:
+            client.closed = ChannelClosedError(self._server, f"channel {self.name!r} was closed")
 
     def __reduce__(self):
         return (Channel, (self.name, self.maxsize))
@@ -296,18 +424,23 @@ class Channel:
     def __repr__(self) -> str:
         return f"Channel({self.name!r}, maxsize={self.maxsize})"
 
+    def __str__(self) -> str:
+        """The items queued under each key (RLinf documents ``print(channel)`` for debugging)."""
+        queued = self.peek_all()
+        return f"Channel({self.name!r}, maxsize={self.maxsize}) {queued}"
+
     # -- operations -------------------------------------------------------------------
     def _client(self) -> _Client:
-        return _Client.of(self._server)
+        return _Client.of(self._server, self.name)
 
     def put(
-        self, item: Any, key: Any = DEFAULT_KEY, weight: float = 1, async_op: bool = False
+        self, item: Any, weight: float = 0, key: Any = DEFAULT_KEY, async_op: bool = False
     ) -> Work | None:
-        """Append ``item`` to ``key``'s queue; waits while that queue is full."""
+        """Append ``item`` (with ``weight``, for ``get_batch``) to ``key``'s queue; waits while it is full."""
         _check_weight(weight)
         bounded = self.maxsize > 0
         t0 = time.perf_counter() if _trace.ON else 0.0
-        work = self._client().request(
+        _, work = self._client().request(
             f"put to channel {self.name!r}", "put", key, item, weight, reply=bounded
         )
         if async_op:
@@ -319,22 +452,28 @@ class Channel:
             )
         return None
 
-    def put_nowait(self, item: Any, key: Any = DEFAULT_KEY, weight: float = 1) -> None:
-        """Append ``item`` or raise ``queue.Full`` at once."""
+    def put_nowait(self, item: Any, weight: float = 0, key: Any = DEFAULT_KEY) -> None:
+        """Append ``item`` or raise ``ChannelFull`` (an ``asyncio.QueueFull``) at once."""
         _check_weight(weight)
-        self._client().request(
+        _, work = self._client().request(
             f"put_nowait to {self.name!r}", "put_nowait", key, item, weight
-        ).wait()
+        )
+        work.wait()
 
     def get(
         self, key: Any = DEFAULT_KEY, async_op: bool = False, timeout: float | None = None
     ) -> Any:
-        """The oldest item of ``key`` (waits until there is one); a ``Work`` if ``async_op``."""
+        """The oldest item of ``key`` (waits until there is one); a ``Work`` if ``async_op``.
+
+        With ``timeout`` a synchronous get raises ``TimeoutError`` and is withdrawn.
+        """
+        _check_timeout(timeout)
         t0 = time.perf_counter() if _trace.ON else 0.0
-        work = self._client().request(f"get from channel {self.name!r}", "get", key)
+        client = self._client()
+        req, work = client.request(f"get from channel {self.name!r}", "get", key)
         if async_op:
             return work
-        item = work.wait(timeout)
+        item = client.wait_or_withdraw(req, work, key, timeout)
         if t0:
             _trace.record_event(
                 "channel.get", t0, time.perf_counter(), cat="comm", channel=self.name
@@ -342,37 +481,44 @@ class Channel:
         return item
 
     def get_nowait(self, key: Any = DEFAULT_KEY) -> Any:
-        """The oldest item of ``key`` or ``queue.Empty`` at once."""
-        return self._client().request(f"get_nowait from {self.name!r}", "get_nowait", key).wait()
+        """The oldest item of ``key`` or ``ChannelEmpty`` (an ``asyncio.QueueEmpty``) at once."""
+        _, work = self._client().request(f"get_nowait from {self.name!r}", "get_nowait", key)
+        return work.wait()
 
     def get_batch(
         self,
-        target_weight: float,
+        target_weight: float = 0,
         key: Any = DEFAULT_KEY,
         async_op: bool = False,
         timeout: float | None = None,
     ) -> Any:
-        """The oldest items of ``key`` whose weights reach ``target_weight`` (a list)."""
+        """The oldest items of ``key`` up to ``target_weight`` in total (a list; see the module doc)."""
         if (
             isinstance(target_weight, bool)
             or not isinstance(target_weight, (int, float))
-            or target_weight <= 0
+            or target_weight < 0
         ):
-            raise ValueError(f"target_weight must be a positive number, got {target_weight!r}")
-        work = self._client().request(
+            raise ValueError(f"target_weight must be a non-negative number, got {target_weight!r}")
+        _check_timeout(timeout)
+        client = self._client()
+        req, work = client.request(
             f"get_batch from {self.name!r}", "get_batch", key, None, target_weight
         )
-        return work if async_op else work.wait(timeout)
+        return work if async_op else client.wait_or_withdraw(req, work, key, timeout)
 
     def qsize(self, key: Any = DEFAULT_KEY) -> int:
         """Items queued under ``key`` (puts blocked on a full queue not counted)."""
-        return self._client().request("qsize", "qsize", key).wait()
+        return self._client().request("qsize", "qsize", key)[1].wait()
 
     def empty(self, key: Any = DEFAULT_KEY) -> bool:
         return self.qsize(key) == 0
 
     def full(self, key: Any = DEFAULT_KEY) -> bool:
-        return self._client().request("full", "full", key).wait()
+        return self._client().request("full", "full", key)[1].wait()
+
+    def peek_all(self) -> dict[Any, list[Any]]:
+        """Every queued item, per key, oldest first, without taking them."""
+        return self._client().request("peek_all", "peek_all", None)[1].wait()
 
 
 def _check_name(name: Any) -> None:
@@ -385,11 +531,44 @@ def _check_weight(weight: Any) -> None:
         raise ValueError(f"weight must be a non-negative number, got {weight!r}")
 
 
-def create_channel(name: str, node_id: int = 0, maxsize: int = 0) -> Channel:
-    """Create a channel from the driver or any worker (see ``Channel.create``)."""
-    return Channel.create(name, node_id=node_id, maxsize=maxsize)
+def _check_timeout(timeout: Any) -> None:
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
+    ):
+        raise ValueError(f"timeout must be None or a non-negative number, got {timeout!r}")
 
 
-def connect_channel(name: str) -> Channel:
+def create_channel(
+    channel_name: str | None = None,
+    node_rank: int = 0,
+    maxsize: int = 0,
+    *,
+    distributed: bool = False,
+    local: bool = False,
+    name: str | None = None,
+    node_id: int | None = None,
+) -> Channel:
+    """Create a channel from the driver or any worker (see ``Channel.create``).
+
+    RLinf's keywords (``channel_name``, ``node_rank``, ``maxsize``); the seed document's
+    ``name``/``node_id`` are accepted too.
+    """
+    return Channel.create(
+        _channel_name(channel_name, name),
+        node_rank,
+        maxsize,
+        distributed=distributed,
+        local=local,
+        node_id=node_id,
+    )
+
+
+def connect_channel(channel_name: str | None = None, *, name: str | None = None) -> Channel:
     """Connect to a channel by name (see ``Channel.connect``)."""
-    return Channel.connect(name)
+    return Channel.connect(_channel_name(channel_name, name))
+
+
+def _channel_name(channel_name: str | None, name: str | None) -> str:
+    if channel_name is not None and name is not None:
+        raise ValueError("give channel_name or name (its older spelling), not both")
+    return channel_name if channel_name is not None else name

@@ -11,7 +11,6 @@ after a member restarted).
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import pickle
 import threading
@@ -22,8 +21,9 @@ from typing import Any
 
 from phalanx._base.address import WorkerAddress
 from phalanx.comm.config import CONFIG
-from phalanx.comm.endpoint import KV_NAMESPACE, _make_pg_n, get_endpoint
+from phalanx.comm.endpoint import KV_NAMESPACE, get_endpoint
 from phalanx.comm.errors import CommError
+from phalanx.comm.process_group import host_store, join_store, make_process_group
 
 _groups: dict[tuple, CollectiveGroup] = {}
 _lock = threading.Lock()
@@ -108,17 +108,13 @@ def get_group(
 def _create(
     ep: Any, names: tuple[str, ...], backend: str, tag: str, timeout_s: float
 ) -> CollectiveGroup:
-    import torch.distributed as dist
     from ray.experimental import internal_kv
 
     rank = names.index(ep.name)
     digest = hashlib.sha1(repr((names, backend, tag)).encode()).hexdigest()[:20]
     kv_key = f"pg/{digest}".encode()
-    timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:
-        store = dist.TCPStore(
-            ep.info.ip, 0, is_master=True, wait_for_workers=False, timeout=timeout
-        )
+        store = host_store(ep.info.ip, timeout_s)
         nonce = f"{ep.info.incarnation}/{time.time_ns()}"
         internal_kv._internal_kv_put(
             kv_key,
@@ -145,9 +141,15 @@ def _create(
                     f"group {list(names)}: rank 0 ({names[0]}) did not host within {timeout_s}s",
                 )
             time.sleep(0.05)
-        store = dist.TCPStore(ip, port, is_master=False, timeout=timeout)
-    pg = _make_pg_n(
-        backend, dist.PrefixStore(f"{digest}/{tag}", store), rank, len(names), ep.info.ip
+        store = join_store(ip, port, timeout_s)
+    pg = make_process_group(
+        backend,
+        store,
+        rank,
+        len(names),
+        prefix=f"{digest}/{tag}",
+        ip=ep.info.ip,
+        timeout_s=max(CONFIG.connect_timeout_s, 1800),
     )
     group = CollectiveGroup(names, rank, backend, pg)
     group._store = store  # keep the store alive as long as the group

@@ -3,8 +3,13 @@
 ``PHALANX_COMM_PEER_CHECK_S`` (default 1.0): how often a waiting operation checks that
 its peer is still alive. ``PHALANX_COMM_PEER_TIMEOUT_S`` (default 20): a peer whose
 liveness probe does not answer for this long counts as dead. A peer process that exits
-is noticed at once (its socket closes); one whose actor Ray reports dead, within one
-check interval. ``PHALANX_COMM_SHM`` (default 1): use shared memory between processes
+is noticed at once (its socket closes); one whose actor Ray reports dead or restarted,
+within one check interval. ``PHALANX_COMM_CONNECT_TIMEOUT_S`` (default 30): how long a
+send waits for a live peer to announce its endpoint (workers announce theirs when they
+start, so this only covers start-up); a dead peer fails the send at once.
+``PHALANX_COMM_RENDEZVOUS_TIMEOUT_S`` (default 600): how long members of a collective
+group wait for each other to join (they may reach ``get_group`` minutes apart).
+``PHALANX_COMM_SHM`` (default 1): use shared memory between processes
 of one node. ``PHALANX_COMM_SHM_MIN_BYTES`` / ``PHALANX_COMM_INLINE_MAX_BYTES``: size
 thresholds of the transport decision (see ``wire.select_transport``).
 ``PHALANX_COMM_POOL_SLOTS`` (default 4) / ``PHALANX_COMM_POOL_BYTES`` (default
@@ -30,7 +35,8 @@ class CommConfig:
 
     peer_check_interval_s: float = 1.0
     peer_timeout_s: float = 20.0
-    connect_timeout_s: float = 600.0
+    connect_timeout_s: float = 30.0
+    rendezvous_timeout_s: float = 600.0
     use_shm: bool = True
     shm_min_bytes: int = 256 * 1024
     inline_max_bytes: int = 1024 * 1024
@@ -42,7 +48,8 @@ def _from_env() -> CommConfig:
     return CommConfig(
         peer_check_interval_s=_env_float("PHALANX_COMM_PEER_CHECK_S", 1.0),
         peer_timeout_s=_env_float("PHALANX_COMM_PEER_TIMEOUT_S", 20.0),
-        connect_timeout_s=_env_float("PHALANX_COMM_CONNECT_TIMEOUT_S", 600.0),
+        connect_timeout_s=_env_float("PHALANX_COMM_CONNECT_TIMEOUT_S", 30.0),
+        rendezvous_timeout_s=_env_float("PHALANX_COMM_RENDEZVOUS_TIMEOUT_S", 600.0),
         use_shm=os.environ.get("PHALANX_COMM_SHM", "1") not in ("0", "false", "False"),
         shm_min_bytes=int(_env_float("PHALANX_COMM_SHM_MIN_BYTES", 256 * 1024)),
         inline_max_bytes=int(_env_float("PHALANX_COMM_INLINE_MAX_BYTES", 1024 * 1024)),

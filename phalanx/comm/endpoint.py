@@ -10,9 +10,26 @@ messages in order, so messages between a pair arrive in send order. Bulk tensor 
 go through shared memory on one node, a lazily created gloo (CPU) or NCCL (CUDA)
 process group per direction across nodes, or CUDA IPC on the same GPU.
 
-A peer that exits closes its sockets, which fails the operations waiting on it at once;
-a monitor thread also asks Ray whether peers with pending operations are alive, so a
-dead peer is reported (by name) within ``peer_check_interval_s`` / ``peer_timeout_s``.
+Security. The listener is bound to the address Ray uses for the node
+(``ray.util.get_node_ip_address()``), never to all interfaces, on a random ephemeral port
+announced in Ray's KV store (namespace ``phalanx_comm``, key ``ep/<name>``). Every
+connection first passes the HMAC challenge-response of ``comm/auth.py`` with the Ray
+session's secret; a connection that fails it is closed before anything it sent is
+unpickled. Frames are a fixed binary header (``<QQ``: metadata length, inline bytes)
+followed by the metadata, which is unpickled only on an authenticated connection; the
+``hello`` that names the connecting endpoint is JSON. A ``"pg"`` message (join a TCP store
+to build a process group) comes only over an authenticated connection and only for a
+store on the sending peer's own announced address.
+
+Liveness. Each endpoint announces an incarnation (actor id, pid and a random id). A peer
+that exits closes its sockets, which fails the operations waiting on it at once; a monitor
+thread also probes peers with pending operations every ``peer_check_interval_s``: a peer
+that is dead, that does not answer for ``peer_timeout_s``, or whose actor now is another
+incarnation (it was restarted under the same name) fails those operations with a
+``PeerDiedError`` naming it. A receive binds to the incarnation alive when it is posted,
+so a sender killed and restarted while a ``recv`` waits is reported, and later receives
+wait on the new incarnation. Connecting fails at once when the peer is dead and waits at
+most ``connect_timeout_s`` (default 30 s) for a live peer to announce its endpoint.
 """
 
 from __future__ import annotations
@@ -20,10 +37,11 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import dataclasses
-import datetime
+import json
 import logging
 import os
 import pickle
+import select
 import socket
 import struct
 import sys
@@ -37,10 +55,11 @@ from typing import Any
 
 import ray
 
-from phalanx.comm import shm
+from phalanx.comm import auth, cuda_ipc, shm
 from phalanx.comm.buffers import BufferPool
 from phalanx.comm.config import CONFIG
-from phalanx.comm.errors import CommError, PeerDiedError, PeerNotFoundError
+from phalanx.comm.errors import AuthenticationError, CommError, PeerDiedError, PeerNotFoundError
+from phalanx.comm.process_group import host_store, join_store, make_process_group
 from phalanx.comm.wire import CUDA_IPC, GLOO, INLINE, NCCL, SHM, Outgoing, decode, select_transport
 from phalanx.comm.work import Work
 
@@ -50,12 +69,17 @@ KV_NAMESPACE = "phalanx_comm"
 ACTOR_NAMESPACE = "phalanx"
 DRIVER_PREFIX = "px-driver-"
 _PREFIX = struct.Struct("<QQ")  # meta length, inline bytes length
+_HELLO_LEN = struct.Struct("<I")  # length of the JSON hello that follows the handshake
+_MAX_HELLO = 1 << 16
 _MAX_IOV = 512
+
+# A process of a peer: (Ray actor id, pid). A pid of None means "any process of that actor".
+Ident = tuple[str, "int | None"]
 
 
 @dataclass
 class PeerInfo:
-    """How to reach an endpoint, announced in Ray's KV store."""
+    """How to reach an endpoint, announced in Ray's KV store (as JSON)."""
 
     name: str
     incarnation: str
@@ -65,6 +89,26 @@ class PeerInfo:
     pid: int
     is_actor: bool
     gpu_uuids: list[str] = field(default_factory=list)
+    actor_id: str = ""
+
+    @property
+    def ident(self) -> Ident:
+        return (self.actor_id, self.pid)
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> PeerInfo:
+        fields = json.loads(raw)
+        if not isinstance(fields, dict):
+            raise ValueError("a peer description must be a JSON object")
+        return cls(**fields)
+
+
+def _same_process(a: Ident, b: Ident) -> bool:
+    """Whether two identities can be the same process (an unknown pid matches any)."""
+    return a[0] == b[0] and (a[1] is None or b[1] is None or a[1] == b[1])
 
 
 def _kv_key(name: str) -> bytes:
@@ -75,7 +119,7 @@ def _kv_get(name: str) -> PeerInfo | None:
     from ray.experimental import internal_kv
 
     raw = internal_kv._internal_kv_get(_kv_key(name), namespace=KV_NAMESPACE)
-    return pickle.loads(raw) if raw else None
+    return PeerInfo.from_json(raw) if raw else None
 
 
 def _gpu_uuids() -> list[str]:
@@ -134,6 +178,18 @@ def _flat_u8(t: Any) -> Any:
     return t.reshape(-1).view(_torch().uint8)
 
 
+def blob_bytes(b: Any) -> Any:
+    """A blob's bytes as a flat uint8 tensor (a tensor's storage or a pickle buffer)."""
+    return _flat_u8(b.data) if b.is_tensor else _torch().frombuffer(b.data, dtype=_torch().uint8)
+
+
+def same_node_shm(b: Any) -> bool:
+    """Whether blob ``b`` travels through shared memory to a peer on this node."""
+    return (
+        select_transport(b.device, b.nbytes, same_node=True, same_gpu=False, config=CONFIG) == SHM
+    )
+
+
 def _mv(t: Any) -> memoryview:
     """A writable/readable byte view of a contiguous CPU tensor."""
     return memoryview(_flat_u8(t).numpy())
@@ -167,9 +223,24 @@ class _Inbox:
         self.segments = shm.SegmentReader()
         self.buffers = BufferPool(CONFIG.pool_slots, CONFIG.pool_bytes)
         self.has_pending: Callable[[], bool] | None = None  # handler mode: is anyone waiting?
+        # The incarnation of the peer that pending receives wait on, set when the first of
+        # them is posted: from the live connection, or from a ping sent at that moment
+        # (``probe``: actor id and the ping's ref, resolved by the monitor thread).
+        self.bound: Ident | None = None
+        self.probe: tuple[str, Any] | None = None
 
     # -- receiving side (user threads) --------------------------------------------
-    def claim(self, kind: str, buffer: Any = None) -> concurrent.futures.Future:
+    def needs_probe(self) -> bool:
+        """True when a receive posted now could not name the peer's incarnation by itself."""
+        with self.cv:
+            return self.handler is None and not self.claims and not self._connected()
+
+    def _connected(self) -> bool:
+        return self.sock is not None and self.error is None and self.info is not None
+
+    def claim(
+        self, kind: str, buffer: Any = None, probe: tuple[str, Any] | None = None
+    ) -> concurrent.futures.Future:
         with self.cv:
             if self.handler is not None:
                 raise CommError(
@@ -181,11 +252,17 @@ class _Inbox:
             if idx in self.arrived:
                 ok, value = self.arrived.pop(idx)
                 self._resolve(claim, ok, value)
-            elif self.error is not None:
-                claim.future.set_exception(self.error)
-            else:
-                self.claims[idx] = claim
-                self.cv.notify_all()
+                return claim.future
+            if not self.claims:  # idle -> waiting: bind to the incarnation alive now
+                if self._connected():
+                    self.bound, self.probe = self.info.ident, None
+                else:
+                    self.bound, self.probe = None, probe
+            # A failure reported earlier concerned the incarnation it was about; a receive
+            # posted now waits on the current one (the monitor fails it if that is dead).
+            self.error = None
+            self.claims[idx] = claim
+            self.cv.notify_all()
             return claim.future
 
     def cancel(self, future: concurrent.futures.Future) -> bool:
@@ -262,6 +339,9 @@ class _Inbox:
         with self.cv:
             self.error = err
             claims, self.claims = self.claims, {}
+            if claims:  # failed receives consumed no message: the next one takes the next
+                self.next_claim = self.next_msg
+            self.bound, self.probe = None, None
             self.cv.notify_all()
         for c in claims.values():
             if not c.future.done():
@@ -292,6 +372,20 @@ def _mismatch(buf: Any, dtype: Any, shape: tuple[int, ...]) -> ValueError:
     return ValueError(
         f"recv_tensor: buffer is {tuple(buf.shape)} {buf.dtype}, the sender sent {shape} {dtype}"
     )
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """True when the peer closed this outgoing connection (it never writes to it)."""
+    poller = select.poll()
+    try:
+        poller.register(sock, select.POLLIN)
+        if not poller.poll(0):
+            return False
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except (OSError, ValueError):
+        return True
 
 
 def _close(sock: socket.socket | None) -> None:
@@ -388,11 +482,15 @@ class _OutConn:
             if not fut.done():
                 fut.set_exception(err)
         with self.lock:
-            _close(self.sock)
-            self.sock = None
-            self.pgs = {}
-            self.pool.close()
-            self.pool = _new_pool()
+            self.reset()
+
+    def reset(self) -> None:
+        """Drop the connection and what belongs to it (the caller holds ``lock``)."""
+        _close(self.sock)
+        self.sock = None
+        self.pgs = {}
+        self.pool.close()
+        self.pool = _new_pool()
 
 
 class Endpoint:
@@ -406,17 +504,19 @@ class Endpoint:
         self.name = name
         self.closed = False
         self.job_id = ""
-        ip = ray.util.get_node_ip_address()
+        self._secret = auth.cluster_secret()
+        ip = ray.util.get_node_ip_address()  # the node's address as Ray uses it; never 0.0.0.0
         self._listener = socket.create_server((ip, 0), backlog=256)
         self.info = PeerInfo(
             name=name,
-            incarnation=actor_id or f"{name}-{uuid.uuid4().hex}",
+            incarnation=f"{actor_id or '-'}/{os.getpid()}/{uuid.uuid4().hex}",
             ip=ip,
             port=self._listener.getsockname()[1],
             node_id=ctx.get_node_id(),
             pid=os.getpid(),
             is_actor=actor_id is not None,
             gpu_uuids=_gpu_uuids(),
+            actor_id=actor_id or "",
         )
         self._lock = threading.RLock()
         self._out: dict[str, _OutConn] = {}
@@ -427,7 +527,7 @@ class Endpoint:
         from ray.experimental import internal_kv
 
         internal_kv._internal_kv_put(
-            _kv_key(name), pickle.dumps(self.info), overwrite=True, namespace=KV_NAMESPACE
+            _kv_key(name), self.info.to_json(), overwrite=True, namespace=KV_NAMESPACE
         )
         threading.Thread(target=self._accept_loop, name="px-accept", daemon=True).start()
         threading.Thread(target=self._monitor_loop, name="px-monitor", daemon=True).start()
@@ -441,7 +541,8 @@ class Endpoint:
         return work
 
     def recv(self, peer: str, kind: str = "obj", buffer: Any = None) -> Work:
-        fut = self.inbox(peer).claim(kind, buffer)
+        box = self.inbox(peer)
+        fut = box.claim(kind, buffer, self._probe_for(box))
         return Work(f"recv from {peer}", fut)
 
     def recv_now(
@@ -449,7 +550,7 @@ class Endpoint:
     ) -> Any:
         """A blocking receive; on timeout it is withdrawn, so the message goes to the next receive."""
         box = self.inbox(peer)
-        fut = box.claim(kind, buffer)
+        fut = box.claim(kind, buffer, self._probe_for(box))
         try:
             return Work(f"recv from {peer}", fut).wait(timeout)
         except TimeoutError:
@@ -473,6 +574,10 @@ class Endpoint:
             if box.claims or box.arrived:
                 raise CommError(peer, f"{peer} already has pending receives")
             box.handler = handler
+
+    def announced(self, peer: str) -> PeerInfo | None:
+        """The endpoint ``peer`` announces in Ray's KV store now (None if none)."""
+        return _kv_get(peer)
 
     def peer_info(self, peer: str) -> PeerInfo | None:
         conn = self._out.get(peer)
@@ -537,26 +642,64 @@ class Endpoint:
             _close(box.sock)
             box.fail(err)
 
-    def _check_alive(self, peer: str) -> None:
-        """Raise ``PeerDiedError`` if Ray says ``peer``'s actor is dead or gone."""
-        if peer.startswith(DRIVER_PREFIX) or peer == self.name:
+    def _incarnation_gone(self, peer: str, gone: Ident, err: CommError) -> None:
+        """Fail what is bound to the process ``gone`` of ``peer``; leave a newer one alone."""
+        self._actors.pop(peer, None)
+        conn = self._out.get(peer)
+        if conn is not None and conn.info is not None and _same_process(conn.info.ident, gone):
+            conn.fail(err)
+        box = self._in.get(peer)
+        if box is None:
             return
+        with box.cv:
+            stale_sock = box.info is not None and _same_process(box.info.ident, gone)
+            bound_here = box.bound is None or _same_process(box.bound, gone)
+            waiting = bool(box.claims) or box.handler is not None
+        if stale_sock:
+            _close(box.sock)
+        if waiting and (bound_here or stale_sock):
+            box.fail(err)
+
+    def _probe_for(self, box: _Inbox) -> tuple[str, Any] | None:
+        """Name the peer's incarnation for a receive posted now (slow path: no connection).
+
+        Sends a ping to the actor registered under the peer's name now; the monitor reads
+        its answer. Raises ``PeerDiedError`` when no actor has that name any more.
+        """
+        peer = box.peer
+        if peer.startswith(DRIVER_PREFIX) or peer == self.name or not box.needs_probe():
+            return None
+        try:
+            actor = ray.get_actor(peer, namespace=ACTOR_NAMESPACE)
+        except ValueError:
+            raise PeerDiedError(peer, f"peer {peer} is dead (no live actor of that name)") from None
+        return actor._actor_id.hex(), actor._px_ping.remote()
+
+    def _live_ident(self, peer: str, timeout: float) -> Ident:
+        """The (actor id, pid) of the actor registered as ``peer`` now; ``PeerDiedError`` if none."""
         try:
             actor = ray.get_actor(peer, namespace=ACTOR_NAMESPACE)
         except ValueError:
             raise PeerDiedError(peer, f"peer {peer} is dead (no live actor of that name)") from None
         try:
-            ray.get(actor._px_ping.remote(), timeout=CONFIG.peer_timeout_s)
+            pid = ray.get(actor._px_ping.remote(), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             raise PeerDiedError(
-                peer, f"peer {peer} did not answer a liveness probe in {CONFIG.peer_timeout_s}s"
+                peer, f"peer {peer} did not answer a liveness probe in {timeout}s"
             ) from None
         except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
             raise PeerDiedError(peer, f"peer {peer} died: {str(e).splitlines()[0]}") from None
+        return actor._actor_id.hex(), pid
+
+    def _check_alive(self, peer: str) -> None:
+        """Raise ``PeerDiedError`` if Ray says ``peer``'s actor is dead or gone."""
+        if peer.startswith(DRIVER_PREFIX) or peer == self.name:
+            return
+        self._live_ident(peer, CONFIG.peer_timeout_s)
 
     def _monitor_loop(self) -> None:
-        """Probe peers that pending operations wait on; fail those Ray reports dead."""
-        inflight: dict[str, tuple[Any, float]] = {}
+        """Probe peers that pending operations wait on; fail those that died or restarted."""
+        inflight: dict[str, tuple[str, Any, float]] = {}
         while not self.closed:
             time.sleep(CONFIG.peer_check_interval_s)
             with self._lock:
@@ -567,39 +710,84 @@ class Endpoint:
                 if peer.startswith(DRIVER_PREFIX) or peer == self.name:
                     continue
                 try:
-                    ref, sent = inflight.get(peer, (None, now))
-                    if ref is None:
-                        actor = ray.get_actor(peer, namespace=ACTOR_NAMESPACE)
-                        inflight[peer] = (actor._px_ping.remote(), now)
-                        continue
-                    ready, _ = ray.wait([ref], timeout=0)
-                    if ready:
-                        del inflight[peer]
-                        ray.get(ref)
-                    elif now - sent > CONFIG.peer_timeout_s:
-                        del inflight[peer]
-                        raise PeerDiedError(
-                            peer,
-                            f"peer {peer} did not answer a liveness probe in {CONFIG.peer_timeout_s}s",
-                        )
-                except ValueError:
-                    inflight.pop(peer, None)
-                    self._peer_dead(
-                        peer,
-                        PeerDiedError(peer, f"peer {peer} is dead (no live actor of that name)"),
-                    )
-                except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
-                    inflight.pop(peer, None)
-                    self._peer_dead(
-                        peer, PeerDiedError(peer, f"peer {peer} died: {str(e).splitlines()[0]}")
-                    )
-                except PeerDiedError as e:
-                    self._peer_dead(peer, e)
+                    self._probe_step(peer, inflight, now)
                 except Exception:  # noqa: BLE001 - Ray shutting down, keep going
                     logger.debug("liveness probe of %s failed", peer, exc_info=True)
             for peer in list(inflight):
                 if peer not in waiting:
                     del inflight[peer]
+
+    def _probe_step(
+        self, peer: str, inflight: dict[str, tuple[str, Any, float]], now: float
+    ) -> None:
+        """One monitor round for ``peer``: resolve the receive-time probe, compare incarnations."""
+        box = self._in.get(peer)
+        probe = box.probe if box is not None else None
+        if probe is not None:
+            aid, ref = probe
+            ready, _ = ray.wait([ref], timeout=0)
+            if ready:
+                with box.cv:
+                    if box.probe is probe:
+                        box.probe = None
+                try:
+                    pid = ray.get(ref)
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
+                    err = PeerDiedError(peer, f"peer {peer} died: {str(e).splitlines()[0]}")
+                    self._incarnation_gone(peer, (aid, None), err)
+                    return
+                with box.cv:
+                    if box.bound is None and box.claims:
+                        box.bound = (aid, pid)
+        entry = inflight.get(peer)
+        if entry is None:
+            try:
+                actor = ray.get_actor(peer, namespace=ACTOR_NAMESPACE)
+            except ValueError:
+                err = PeerDiedError(peer, f"peer {peer} is dead (no live actor of that name)")
+                self._peer_dead(peer, err)
+                return
+            inflight[peer] = (actor._actor_id.hex(), actor._px_ping.remote(), now)
+            return
+        aid, ref, sent = entry
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            if now - sent > CONFIG.peer_timeout_s:
+                del inflight[peer]
+                err = PeerDiedError(
+                    peer, f"peer {peer} did not answer a liveness probe in {CONFIG.peer_timeout_s}s"
+                )
+                self._incarnation_gone(peer, (aid, None), err)
+            return
+        del inflight[peer]
+        try:
+            pid = ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
+            err = PeerDiedError(peer, f"peer {peer} died: {str(e).splitlines()[0]}")
+            self._incarnation_gone(peer, (aid, None), err)
+            return
+        self._check_incarnation(peer, (aid, pid))
+
+    def _check_incarnation(self, peer: str, live: Ident) -> None:
+        """Fail operations bound to an incarnation of ``peer`` other than ``live`` (a restart)."""
+        stale: set[Ident] = set()
+        conn = self._out.get(peer)
+        if conn is not None and conn.info is not None and not _same_process(conn.info.ident, live):
+            stale.add(conn.info.ident)
+        box = self._in.get(peer)
+        if box is not None:
+            with box.cv:
+                if box.bound is not None and not _same_process(box.bound, live):
+                    stale.add(box.bound)
+                if box.info is not None and not _same_process(box.info.ident, live):
+                    stale.add(box.info.ident)
+        for gone in stale:
+            err = PeerDiedError(
+                peer,
+                f"peer {peer} died and was restarted (process {gone[1]} of actor "
+                f"{gone[0][:12]} is gone; now process {live[1]}): its pending messages are lost",
+            )
+            self._incarnation_gone(peer, gone, err)
 
     # ------------------------------------------------------------------ outgoing
     def _out_conn(self, peer: str) -> _OutConn:
@@ -610,52 +798,108 @@ class Endpoint:
             return conn
 
     def _connect(self, conn: _OutConn) -> None:
-        """Open the connection to ``conn.peer`` (waiting until its endpoint is announced)."""
+        """Open and authenticate the connection to ``conn.peer``.
+
+        Fails at once (``PeerDiedError``) when the peer is dead; waits at most
+        ``connect_timeout_s`` for a live peer to announce its current endpoint.
+        """
         peer = conn.peer
-        deadline = time.monotonic() + CONFIG.connect_timeout_s
-        next_check = time.monotonic() + CONFIG.peer_check_interval_s
-        delay = 0.005
-        while True:
-            info = _kv_get(peer)
-            current = info is not None and (not info.is_actor or self._incarnation_ok(peer, info))
-            if current:
-                break
-            now = time.monotonic()
-            if now > next_check:
-                next_check = now + CONFIG.peer_check_interval_s
-                if info is None and peer.startswith(DRIVER_PREFIX):
-                    raise PeerNotFoundError(peer, f"no endpoint named {peer!r}")
-                self._check_alive(peer)
-            if now > deadline:
-                raise CommError(
-                    peer, f"{peer} did not open its endpoint within {CONFIG.connect_timeout_s}s"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.2)
-        sock = socket.create_connection((info.ip, info.port), timeout=30)
+        info = self._await_endpoint(peer)
+        try:
+            sock = socket.create_connection((info.ip, info.port), timeout=30)
+        except OSError as e:
+            raise PeerDiedError(
+                peer, f"could not connect to {peer} at {info.ip}:{info.port}: {e}"
+            ) from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        hello = pickle.dumps(self.info)
-        sock.sendall(struct.pack("<Q", len(hello)) + hello)
+        try:
+            auth.client_handshake(sock, self._secret, peer)
+            hello = self.info.to_json()
+            sock.sendall(_HELLO_LEN.pack(len(hello)) + hello)
+        except BaseException:
+            _close(sock)
+            raise
         sock.settimeout(CONFIG.peer_check_interval_s)
         conn.sock, conn.info, conn.pgs = sock, info, {}
 
-    def _incarnation_ok(self, peer: str, info: PeerInfo) -> bool:
+    def _await_endpoint(self, peer: str) -> PeerInfo:
+        """The announced endpoint of the live incarnation of ``peer`` (see ``_connect``)."""
+        deadline = time.monotonic() + CONFIG.connect_timeout_s
+        is_driver = peer.startswith(DRIVER_PREFIX)
+        probe: tuple[str, Any, float] | None = None
+        live: Ident | None = None
+        delay = 0.001
+        while True:
+            info = _kv_get(peer)
+            if info is not None and (not info.is_actor or is_driver):
+                return info
+            if info is None and is_driver:
+                raise PeerNotFoundError(peer, f"no endpoint named {peer!r}")
+            now = time.monotonic()
+            if probe is None:
+                try:
+                    actor = ray.get_actor(peer, namespace=ACTOR_NAMESPACE)
+                except ValueError:
+                    raise PeerDiedError(
+                        peer, f"peer {peer} is dead (no live actor of that name)"
+                    ) from None
+                probe = (actor._actor_id.hex(), actor._px_ping.remote(), now)
+            aid, ref, sent = probe
+            # A live actor answers within milliseconds: block briefly on the first answer.
+            ready, _ = ray.wait([ref], timeout=0 if live is not None else 0.2)
+            if ready:
+                try:
+                    live = (aid, ray.get(ref))
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError) as e:
+                    raise PeerDiedError(
+                        peer, f"peer {peer} died: {str(e).splitlines()[0]}"
+                    ) from None
+                if now - sent > CONFIG.peer_check_interval_s:
+                    probe = None  # ask again: the actor may die or be replaced while we wait
+            elif now - sent > CONFIG.peer_timeout_s:
+                raise PeerDiedError(
+                    peer, f"peer {peer} did not answer a liveness probe in {CONFIG.peer_timeout_s}s"
+                )
+            if live is not None and info is not None and _same_process(info.ident, live):
+                return info
+            if now > deadline:
+                raise CommError(
+                    peer,
+                    f"{peer} is alive but did not announce its communication endpoint within "
+                    f"{CONFIG.connect_timeout_s}s (PHALANX_COMM_CONNECT_TIMEOUT_S)",
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    def is_current(self, peer: str, incarnation: str) -> bool:
+        """Whether ``incarnation`` is the endpoint ``peer`` announces now (not a dead one)."""
+        cur = _kv_get(peer)
+        if cur is None or cur.incarnation != incarnation:
+            return False
+        if not cur.is_actor:
+            return True
         try:
             actor = ray.get_actor(peer, namespace=ACTOR_NAMESPACE)
         except ValueError:
             return False
-        return actor._actor_id.hex() == info.incarnation
+        return actor._actor_id.hex() == cur.actor_id
+
+    def _incarnation_ok(self, peer: str, info: Any) -> bool:
+        """``is_current`` for an object with an ``incarnation`` (kept for ``collective.py``)."""
+        return self.is_current(peer, info.incarnation)
 
     def _send_message(self, conn: _OutConn, msg: Outgoing) -> None:
         with conn.lock:
+            if conn.sock is not None and _closed_by_peer(conn.sock):
+                conn.reset()  # that incarnation is gone: this message goes to the current one
             if conn.sock is None:
                 self._connect(conn)
         sock, info = conn.sock, conn.info
         same_node = info.node_id == self.info.node_id
         check = lambda: self._check_alive(conn.peer)  # noqa: E731
-        specs, inline, bulk, shm_blobs = [], [], [], []
+        specs, inline, bulk, shm_blobs, shm_index = [], [], [], [], []
         blobs = [dataclasses.replace(b) for b in msg.blobs]  # one message may go to many peers
-        for b in blobs:
+        for i, b in enumerate(blobs):
             same_gpu = False
             if b.device == "cuda" and same_node:
                 uuid_ = str(_torch().cuda.get_device_properties(b.data.device).uuid)
@@ -665,15 +909,19 @@ class Endpoint:
             )
             if b.transport == SHM:
                 shm_blobs.append(b)
+                shm_index.append(i)
         segment = None
-        if shm_blobs:
+        shared = msg.shared.get(conn.peer)
+        if shared is not None and (not same_node or not all(i in shared[1] for i in shm_index)):
+            shm.unlink(shared[0].path)  # written for a same-node peer that this is not
+            shared = None
+        if shm_blobs and shared is not None:  # one copy written for several readers
+            segment = shared[0]
+            for i, b in zip(shm_index, shm_blobs):
+                b.extra = shared[1][i]
+        elif shm_blobs:
             try:
-                flat = [
-                    _flat_u8(b.data)
-                    if b.is_tensor
-                    else _torch().frombuffer(b.data, dtype=_torch().uint8)
-                    for b in shm_blobs
-                ]
+                flat = [blob_bytes(b) for b in shm_blobs]
                 segment, offsets = conn.pool.write(flat)
                 for b, off in zip(shm_blobs, offsets):
                     b.extra = off
@@ -688,7 +936,7 @@ class Endpoint:
             elif b.transport in (GLOO, NCCL):
                 bulk.append(b)
             elif b.transport == CUDA_IPC:
-                b.extra = _cuda_ipc_handle(b.data)
+                b.extra = cuda_ipc.share_copy(b.data)
             specs.append(b.spec())
         for backend in {b.transport for b in bulk}:
             if backend not in conn.pgs:
@@ -703,19 +951,11 @@ class Endpoint:
 
     def _init_pg(self, conn: _OutConn, backend: str, check: Callable[[], None]) -> None:
         """Create the process group of this direction (this side is rank 0 and hosts the store)."""
-        import torch.distributed as dist
-
-        store = dist.TCPStore(
-            self.info.ip,
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=CONFIG.connect_timeout_s),
-        )
+        store = host_store(self.info.ip, CONFIG.connect_timeout_s)
         key = f"{self.name}->{conn.peer}/{backend}/{uuid.uuid4().hex}"
         meta = pickle.dumps(("pg", key, [], (backend, self.info.ip, store.port)))
         _send_views(conn.sock, [memoryview(_PREFIX.pack(len(meta), 0)), memoryview(meta)], check)
-        conn.pgs[backend] = _make_pg(backend, dist.PrefixStore(key, store), 0, self.info.ip)
+        conn.pgs[backend] = _make_pg(backend, store, key, 0, self.info.ip)
         conn.pgs[backend + "_store"] = store
 
     # ------------------------------------------------------------------ incoming
@@ -729,13 +969,22 @@ class Endpoint:
 
     def _serve(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if not auth.server_handshake(sock, self._secret):
+            logger.warning("phalanx endpoint %s: refused an unauthenticated connection", self.name)
+            _close(sock)
+            return
         try:
-            head = bytearray(8)
+            sock.settimeout(auth.HANDSHAKE_TIMEOUT_S)
+            head = bytearray(_HELLO_LEN.size)
             _recv_exact(sock, memoryview(head))
-            hello = bytearray(struct.unpack("<Q", head)[0])
+            (size,) = _HELLO_LEN.unpack(head)
+            if size > _MAX_HELLO:
+                raise ValueError(f"hello of {size} bytes")
+            hello = bytearray(size)
             _recv_exact(sock, memoryview(hello))
-            info: PeerInfo = pickle.loads(hello)
-        except (OSError, ConnectionError, pickle.UnpicklingError):
+            info = PeerInfo.from_json(bytes(hello))
+            sock.settimeout(None)
+        except (OSError, ConnectionError, ValueError, TypeError):
             _close(sock)
             return
         box = self.inbox(info.name)
@@ -765,15 +1014,13 @@ class Endpoint:
         kind, skeleton, specs, segment = pickle.loads(meta)
         if kind == "pg":
             backend, ip, port = segment
-            import torch.distributed as dist
-
-            store = dist.TCPStore(
-                ip,
-                port,
-                is_master=False,
-                timeout=datetime.timedelta(seconds=CONFIG.connect_timeout_s),
-            )
-            box.pgs[backend] = _make_pg(backend, dist.PrefixStore(skeleton, store), 1, self.info.ip)
+            if ip != info.ip:  # only a store on the authenticated peer's own address
+                raise AuthenticationError(
+                    info.name,
+                    f"{info.name} asked to join a store at {ip}, not at its own {info.ip}",
+                )
+            store = join_store(ip, port, CONFIG.connect_timeout_s)
+            box.pgs[backend] = _make_pg(backend, store, skeleton, 1, self.info.ip)
             box.pgs[backend + "_store"] = store
             return
         seg = box.segments.open(segment) if segment is not None else None
@@ -852,8 +1099,7 @@ class Endpoint:
                 return into
             return view
         if transport == CUDA_IPC:
-            fn, args = extra
-            shared = fn(*args)
+            shared = cuda_ipc.open_handle(extra)
             if into is not None:
                 into.copy_(shared.view(into.shape))
                 return into
@@ -884,30 +1130,10 @@ class Endpoint:
         return dest if is_tensor else memoryview(dest.numpy())
 
 
-def _make_pg(backend: str, store: Any, rank: int, ip: str) -> Any:
-    return _make_pg_n(backend, store, rank, 2, ip)
-
-
-def _make_pg_n(backend: str, store: Any, rank: int, size: int, ip: str) -> Any:
-    """A gloo (bound to ``ip``) or NCCL process group of ``size`` ranks on ``store``."""
-    import torch.distributed as dist
-
-    timeout = datetime.timedelta(seconds=max(CONFIG.connect_timeout_s, 1800))
-    if backend == GLOO:
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = timeout
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=ip)]
-        return dist.ProcessGroupGloo(store, rank, size, opts)
-    opts = dist.ProcessGroupNCCL.Options()
-    opts._timeout = timeout
-    return dist.ProcessGroupNCCL(store, rank, size, opts)
-
-
-def _cuda_ipc_handle(t: Any) -> Any:
-    """A picklable CUDA IPC handle of a private copy of ``t`` (the receiver owns it)."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    return reduce_tensor(t.clone())
+def _make_pg(backend: str, store: Any, key: str, rank: int, ip: str) -> Any:
+    """The two-rank process group of one direction (see ``comm/process_group.py``)."""
+    timeout_s = max(CONFIG.connect_timeout_s, 1800)
+    return make_process_group(backend, store, rank, 2, prefix=key, ip=ip, timeout_s=timeout_s)
 
 
 def _not_found_text(peer: str) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import queue
+
 
 class CommError(RuntimeError):
     """A communication operation with ``peer`` failed."""
@@ -21,3 +24,19 @@ class PeerDiedError(CommError):
 
 class PeerNotFoundError(CommError, ValueError):
     """No live worker (or channel) has that name."""
+
+
+class AuthenticationError(CommError):
+    """A connection did not prove it holds this Ray cluster's phalanx secret (``comm/auth.py``)."""
+
+
+class ChannelClosedError(CommError):
+    """The channel was closed (or its actor died): nothing can be put into it or taken from it."""
+
+
+class ChannelEmpty(asyncio.QueueEmpty, queue.Empty):
+    """``get_nowait`` on an empty key (RLinf raises ``asyncio.QueueEmpty``; also ``queue.Empty``)."""
+
+
+class ChannelFull(asyncio.QueueFull, queue.Full):
+    """``put_nowait`` on a full key (RLinf raises ``asyncio.QueueFull``; also ``queue.Full``)."""

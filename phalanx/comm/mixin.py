@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -10,13 +11,24 @@ if TYPE_CHECKING:
     from phalanx.comm.work import Work
 
 
+logger = logging.getLogger(__name__)
+
+
 class CommMixin:
     """``send``/``recv``, ``send_tensor``/``recv_tensor``, ``broadcast`` and channels.
 
     Peers are named by group name and rank (or a ``WorkerAddress``), in any group. Every
     method also works inside ``async def`` worker methods; with ``async_op=True`` it
     returns a ``Work`` that can be awaited.
+
+    A worker announces its communication endpoint as it is created inside its Ray actor,
+    so peers can reach it (and tell its incarnation) before it ever calls ``recv``.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> CommMixin:
+        obj = super().__new__(cls)
+        _announce_endpoint()
+        return obj
 
     def send(
         self,
@@ -24,17 +36,31 @@ class CommMixin:
         dst_group_name: str | WorkerAddress,
         dst_rank: int | None = None,
         async_op: bool = False,
+        options: Any = None,
+        piggyback_payload: Any = None,
     ) -> Work | None:
-        """Send any picklable object (tensors inside travel as raw bytes) to a worker."""
+        """Send any picklable object (tensors inside travel as raw bytes) to a worker.
+
+        ``options`` (RLinf's NCCL tuning) has no effect; ``piggyback_payload=p`` makes the
+        receiver's ``recv`` return ``(object, p)``, as in RLinf.
+        """
         from phalanx.comm import p2p
 
-        return p2p.send(object, dst_group_name, dst_rank, async_op=async_op)
+        return p2p.send(
+            object,
+            dst_group_name,
+            dst_rank,
+            async_op=async_op,
+            options=options,
+            piggyback_payload=piggyback_payload,
+        )
 
     def recv(
         self,
         src_group_name: str | WorkerAddress,
         src_rank: int | None = None,
         async_op: bool = False,
+        options: Any = None,
         timeout: float | None = None,
     ) -> Any:
         """The next object sent by that worker to this one (a ``Work`` if ``async_op``)."""
@@ -48,6 +74,7 @@ class CommMixin:
         dst_group_name: str | WorkerAddress,
         dst_rank: int | None = None,
         async_op: bool = False,
+        options: Any = None,
     ) -> Work | None:
         """Send one tensor for the receiver's ``recv_tensor`` into its own buffer."""
         from phalanx.comm import p2p
@@ -60,6 +87,7 @@ class CommMixin:
         src_group_name: str | WorkerAddress,
         src_rank: int | None = None,
         async_op: bool = False,
+        options: Any = None,
         timeout: float | None = None,
     ) -> Any:
         """Receive in place into ``tensor``; a dtype/size mismatch raises ``ValueError``."""
@@ -70,24 +98,64 @@ class CommMixin:
     def broadcast(
         self,
         object: Any = None,
-        groups: Any = None,
-        src_group_name: str | WorkerAddress | None = None,
-        src_rank: int | None = None,
+        groups: list[tuple[str, Any]] | None = None,
+        src: tuple[str, Any] | None = None,
         async_op: bool = False,
+        options: Any = None,
     ) -> Any:
-        """From this worker to ``groups`` (``[(name, [ranks])]``), or receive from ``src``."""
+        """RLinf's broadcast: every member calls it alike; all return the source's object.
+
+        ``groups=[(group_name, ranks), ...]``, ``src=(group_name, rank)`` (default: the
+        first member). See ``phalanx.comm.p2p.broadcast``.
+        """
         from phalanx.comm import p2p
 
-        return p2p.broadcast(object, groups, src_group_name, src_rank, async_op=async_op)
+        return p2p.broadcast(object, groups, src, async_op=async_op, options=options)
 
-    def create_channel(self, name: str, node_id: int = 0, maxsize: int = 0) -> Channel:
-        """Create a named channel (a FIFO per key) on node rank ``node_id``."""
-        from phalanx.comm.channel import Channel
+    def create_channel(
+        self,
+        channel_name: str | None = None,
+        node_rank: int = 0,
+        maxsize: int = 0,
+        *,
+        distributed: bool = False,
+        local: bool = False,
+        name: str | None = None,
+        node_id: int | None = None,
+    ) -> Channel:
+        """Create a named channel (a FIFO per key) on node rank ``node_rank`` (RLinf's keywords)."""
+        from phalanx.comm.channel import create_channel
 
-        return Channel.create(name, node_id=node_id, maxsize=maxsize)
+        return create_channel(
+            channel_name,
+            node_rank,
+            maxsize,
+            distributed=distributed,
+            local=local,
+            name=name,
+            node_id=node_id,
+        )
 
-    def connect_channel(self, name: str) -> Channel:
+    def connect_channel(
+        self, channel_name: str | None = None, *, name: str | None = None
+    ) -> Channel:
         """Connect to an existing channel by name."""
-        from phalanx.comm.channel import Channel
+        from phalanx.comm.channel import connect_channel
 
-        return Channel.connect(name)
+        return connect_channel(channel_name, name=name)
+
+
+def _announce_endpoint() -> None:
+    """Open this actor's endpoint now (outside a named Ray actor: nothing to do)."""
+    try:
+        import ray
+
+        if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+            return
+        if not ray.get_runtime_context().get_actor_name():
+            return
+        from phalanx.comm.endpoint import get_endpoint
+
+        get_endpoint()
+    except Exception:  # noqa: BLE001 - it opens again on first use; say why it could not now
+        logger.warning("could not open this worker's communication endpoint", exc_info=True)

@@ -7,16 +7,23 @@ the receiver (the bytes are drained, the stream stays in step). Every call may b
 posted before its counterpart; messages between a pair arrive in send order.
 With ``async_op=True`` the call returns a ``Work`` (``wait``, ``done``, ``async_wait``);
 for an async send, do not modify the tensors until the work is done.
+
+RLinf's signatures: ``options`` (RLinf's ``CollectiveGroupOptions``, NCCL tuning) is
+accepted and has no effect: phalanx's CPU paths (socket, shared memory, gloo) have nothing
+to tune and its per-pair NCCL groups use NCCL's defaults. ``send(..., piggyback_payload=p)``
+delivers ``(object, p)`` to the receiver's ``recv``, as RLinf does.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
 
 from phalanx._base.address import WorkerAddress
-from phalanx.comm.endpoint import get_endpoint
-from phalanx.comm.wire import encode, encode_raw
+from phalanx.comm import shm
+from phalanx.comm.endpoint import blob_bytes, get_endpoint, same_node_shm
+from phalanx.comm.wire import Outgoing, encode, encode_raw
 from phalanx.comm.work import Work
 
 
@@ -53,9 +60,13 @@ def send(
     dst_group_name: str | WorkerAddress,
     dst_rank: int | None = None,
     async_op: bool = False,
+    options: Any = None,
+    piggyback_payload: Any = None,
 ) -> Work | None:
     """Send ``obj`` to worker ``dst_rank`` of ``dst_group_name``."""
     peer = peer_name(dst_group_name, dst_rank, "dst_group_name")
+    if piggyback_payload is not None:
+        obj = (obj, piggyback_payload)
     ep = get_endpoint()
     ep.check_peer_exists(peer)
     work = ep.send(peer, encode(obj), async_op=async_op)
@@ -66,6 +77,7 @@ def recv(
     src_group_name: str | WorkerAddress,
     src_rank: int | None = None,
     async_op: bool = False,
+    options: Any = None,
     timeout: float | None = None,
 ) -> Any:
     """The next message from worker ``src_rank`` of ``src_group_name`` (a ``Work`` if async)."""
@@ -83,6 +95,7 @@ def send_tensor(
     dst_group_name: str | WorkerAddress,
     dst_rank: int | None = None,
     async_op: bool = False,
+    options: Any = None,
 ) -> Work | None:
     """Send one tensor for the peer's ``recv_tensor`` (no pickled metadata)."""
     _tensor(tensor, "tensor")
@@ -98,6 +111,7 @@ def recv_tensor(
     src_group_name: str | WorkerAddress,
     src_rank: int | None = None,
     async_op: bool = False,
+    options: Any = None,
     timeout: float | None = None,
 ) -> Any:
     """Receive the next message from the peer into ``tensor`` in place; returns ``tensor``."""
@@ -113,58 +127,139 @@ def recv_tensor(
     return ep.recv_now(peer, timeout, kind="tensor", buffer=tensor)
 
 
-def _targets(groups: Any) -> list[str]:
-    if isinstance(groups, (str, WorkerAddress)) or (
-        isinstance(groups, tuple) and len(groups) == 2 and isinstance(groups[0], str)
-    ):
-        groups = [groups]
-    if not isinstance(groups, (list, tuple)) or not groups:
-        raise TypeError(
-            "groups must be a non-empty list of (group_name, rank or ranks) or WorkerAddress"
-        )
-    names = []
-    for g in groups:
-        if isinstance(g, WorkerAddress):
-            names.append(g.get_name())
-            continue
-        if not (isinstance(g, (tuple, list)) and len(g) == 2):
+def _members(groups: Any) -> list[str]:
+    """The endpoint names of a broadcast's members, in RLinf's order (validating ``groups``)."""
+    if groups is None:
+        raise ValueError("groups must be given: a list of (group_name, ranks) tuples")
+    if not isinstance(groups, list):
+        raise TypeError(f"groups must be a list of (group_name, ranks) tuples, got {groups!r}")
+    if not groups:
+        raise ValueError("groups must contain at least one (group_name, ranks) entry")
+    names: list[str] = []
+    for entry in groups:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
             raise TypeError(
-                f"groups: each entry must be (group_name, ranks) or a WorkerAddress, got {g!r}"
+                f"groups: each entry must be a (group_name, ranks) tuple, got {entry!r}"
             )
-        name, ranks = g
-        ranks = [ranks] if isinstance(ranks, int) else list(ranks)
-        names.extend(peer_name(name, r, "groups") for r in ranks)
+        group, ranks = entry
+        if not isinstance(group, str) or not group:
+            raise TypeError(f"groups: group_name must be a non-empty str, got {group!r}")
+        if isinstance(ranks, list):
+            if not ranks:
+                raise ValueError(f"groups: the ranks of {group!r} must not be empty")
+            paths = ranks
+        else:
+            paths = [ranks]
+        for r in paths:
+            names.append(_address(group, r, "groups"))
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"groups: {dupes} listed more than once")
     return names
 
 
-def broadcast(
-    obj: Any = None,
-    groups: Any = None,
-    src_group_name: str | WorkerAddress | None = None,
-    src_rank: int | None = None,
-    async_op: bool = False,
-) -> Any:
-    """Send ``obj`` from one worker to every worker of ``groups``.
+def _address(group: str, rank: Any, arg: str) -> str:
+    """``group:rank`` for an int rank, ``group:r0:r1`` for a rank path (a tuple of ints)."""
+    path = rank if isinstance(rank, tuple) else (rank,)
+    if not path or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in path):
+        raise TypeError(
+            f"{arg}: a rank must be a non-negative int or a tuple of them, got {rank!r}"
+        )
+    return WorkerAddress(group, list(path)).get_name()
 
-    The source calls it with ``obj`` and ``groups`` (``[(group_name, [ranks])]``); each
-    destination calls it with ``src_group_name``/``src_rank`` and gets the object. The
-    source encodes the object once and sends to all destinations concurrently.
+
+def _source(src: Any, members: list[str]) -> str:
+    if src is None:
+        return members[0]
+    if isinstance(src, WorkerAddress):
+        name = src.get_name()
+    elif isinstance(src, (tuple, list)) and len(src) == 2 and isinstance(src[0], str):
+        name = _address(src[0], src[1], "src")
+    else:
+        raise TypeError(f"src must be a (group_name, rank) tuple or a WorkerAddress, got {src!r}")
+    if name not in members:
+        raise ValueError(f"src: {name} is not one of the broadcast's members {members}")
+    return name
+
+
+def broadcast(
+    object: Any = None,
+    groups: Any = None,
+    src: Any = None,
+    async_op: bool = False,
+    options: Any = None,
+) -> Any:
+    """RLinf's broadcast: every member calls it with the same ``groups`` and ``src``.
+
+    ``groups`` is ``[(group_name, ranks), ...]`` (``ranks``: an int, a rank-path tuple,
+    or a list of them); ``src`` is ``(group_name, rank)``, by default the first member.
+    The source's ``object`` is what every member returns (the others pass ``None``). The
+    source encodes the object once and sends it to the other members concurrently; tensors
+    for members on its node go through shared memory. ``options`` is accepted for RLinf's
+    signature (NCCL tuning; no effect on gloo/shared memory). Members must call their
+    broadcasts (and sends/recvs with each other) in the same order.
     """
+    members = _members(groups)
     ep = get_endpoint()
-    src = (
-        ep.name if src_group_name is None else peer_name(src_group_name, src_rank, "src_group_name")
-    )
-    if src != ep.name:
-        ep.check_peer_exists(src)
-        work = ep.recv(src)
+    if ep.name not in members:
+        raise ValueError(f"groups: this worker ({ep.name}) is not one of the members {members}")
+    source = _source(src, members)
+    if source != ep.name:
+        ep.check_peer_exists(source)
+        work = ep.recv(source)
         return work if async_op else work.wait()
-    targets = [t for t in _targets(groups) if t != ep.name]
+    targets = [t for t in members if t != ep.name]
     for t in targets:
         ep.check_peer_exists(t)
-    msg = encode(obj)
-    works = [ep.send(t, msg, async_op=True) for t in targets]
-    work = _AllWork(f"broadcast to {len(targets)} workers", works, obj)
+    msg = encode(object)
+    local = [t for t in targets if _on_my_node(ep, t)]
+    names = _share_on_node(msg, local) if len(local) > 1 else {}
+    works = []
+    for t in targets:
+        w = ep.send(t, msg, async_op=True)
+        if t in names:  # a send that failed leaves its reader's name behind: remove it
+            w._future.add_done_callback(
+                lambda f, path=names[t]: shm.unlink(path) if f.exception() else None
+            )
+        works.append(w)
+    work = _AllWork(f"broadcast to {len(targets)} workers", works, object)
     return work if async_op else work.wait()
+
+
+def _on_my_node(ep: Any, peer: str) -> bool:
+    info = ep.announced(peer)
+    return info is not None and info.node_id == ep.info.node_id
+
+
+def _share_on_node(msg: Outgoing, peers: list[str]) -> dict[str, str]:
+    """Write the message's shared-memory blobs once for all ``peers`` (on this node).
+
+    Each reader gets its own name (a hard link) of the one segment and unlinks it when it
+    maps it, so the memory is freed once every reader lets go; a name whose reader never
+    came is reaped with this process (``shm.reap_orphans``). Returns peer -> name.
+    """
+    index = [i for i, b in enumerate(msg.blobs) if same_node_shm(b)]
+    if not index:
+        return {}
+    try:
+        path, size, offsets = shm.write_segment([blob_bytes(msg.blobs[i]) for i in index], "bcast")
+    except OSError:
+        return {}  # /dev/shm full: each send falls back to its own transport
+    names: dict[str, str] = {}
+    try:
+        for j, peer in enumerate(peers):
+            name = f"{path}.{j}"
+            os.link(path, name)
+            names[peer] = name
+    except OSError:
+        for name in names.values():
+            shm.unlink(name)
+        return {}
+    finally:
+        shm.unlink(path)
+    where = dict(zip(index, offsets))
+    msg.shared = {peer: (shm.SegmentRef(name, size), where) for peer, name in names.items()}
+    return names
 
 
 class _AllWork(Work):

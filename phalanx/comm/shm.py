@@ -12,16 +12,27 @@ name once it has mapped it, so nothing is left in ``/dev/shm`` once both sides l
 ``posix_fallocate`` reserves the space up front so a full ``/dev/shm`` is an ``OSError``
 (and the caller falls back to a socket transport), never a ``SIGBUS`` while writing.
 
-``share_tensors`` / ``ShmHandle`` are the public helper other layers use (e.g. weight
-sync to several workers on one node: write once, every reader opens the same handle).
+``share_tensors`` / ``ShmHandle`` and ``Segment`` (a named, mapped file kept across
+sends, e.g. the weight sender's buffers) are the helpers other layers use; nothing
+outside this module opens files under ``/dev/shm``.
+
+Leaks: every name this module makes carries its creator's identity, ``px_<tag>_<pid>-
+<start>_<n>`` (``<start>`` is the process's start time, so a reused pid does not look
+alive). ``reap_orphans()`` unlinks the segments whose creator is gone; every worker host
+runs it when it starts and the weight sender when it starts and closes, so a process
+killed mid-send (which cannot clean up after itself) leaves nothing behind for longer
+than until the next phalanx process starts on that node. Processes that exit normally
+unlink what they still own at exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
 import mmap
 import os
+import re
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -48,13 +59,68 @@ def aligned(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` (clock ticks since boot), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces: count fields after its closing ")".
+    return stat[stat.rfind(b")") + 2 :].split()[19].decode()
+
+
+_OWNER: str | None = None
+_NAME = re.compile(r"^px_[A-Za-z0-9]+_(\d+)-(\d+)_")
+
+
+def owner_token() -> str:
+    """This process's identity in segment names: ``<pid>-<start time>``."""
+    global _OWNER
+    pid = os.getpid()
+    if _OWNER is None or not _OWNER.startswith(f"{pid}-"):  # set again after a fork
+        _OWNER = f"{pid}-{_start_time(pid) or 0}"
+    return _OWNER
+
+
 def _new_path(tag: str) -> str:
-    return os.path.join(SHM_DIR, f"px_{tag}_{os.getpid()}_{next(_counter)}")
+    return os.path.join(SHM_DIR, f"px_{tag}_{owner_token()}_{next(_counter)}")
 
 
-def _create(tag: str, size: int) -> str:
+def owner_alive(name: str) -> bool:
+    """False when ``name`` is a phalanx segment whose creating process has ended."""
+    m = _NAME.match(os.path.basename(name))
+    if m is None:
+        return True  # not ours to judge
+    return _start_time(int(m.group(1))) == m.group(2)
+
+
+def reap_orphans() -> list[str]:
+    """Unlink the segments on this node whose creator died; returns their paths."""
+    try:
+        names = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    reaped = []
+    for n in names:
+        if n.startswith("px_") and not owner_alive(n):
+            path = os.path.join(SHM_DIR, n)
+            unlink(path)
+            reaped.append(path)
+    return reaped
+
+
+def segment_path(name: str) -> str:
+    """The path of segment ``name`` (a bare name, or a path that must lie in ``/dev/shm``)."""
+    path = name if os.path.isabs(name) else os.path.join(SHM_DIR, name)
+    if os.path.dirname(path) != SHM_DIR or not os.path.basename(path):
+        raise ValueError(f"not a shared-memory segment name: {name!r}")
+    return path
+
+
+def _create(tag: str, size: int, path: str | None = None) -> str:
     """A new file of ``size`` bytes, its space reserved; tracked until a reader unlinks it."""
-    path = _new_path(tag)
+    path = path or _new_path(tag)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     with _created_lock:
         _created.add(path)
@@ -222,6 +288,55 @@ def cleanup_created() -> None:
         paths = list(_created)
     for p in paths:
         unlink(p)
+
+
+atexit.register(cleanup_created)
+
+
+class Segment:
+    """A named shared-memory file of ``size`` bytes, mapped here as a flat uint8 tensor.
+
+    ``Segment.create(size, tag)`` makes a new one (its space reserved, so a full
+    ``/dev/shm`` is an ``OSError`` here and not a ``SIGBUS`` later); ``Segment.attach(path)``
+    maps one another process made. ``populate`` maps the pages up front (a reader about
+    to read all of it saves a page fault per 4 KiB); ``writable=False`` maps read-only.
+    """
+
+    def __init__(self, path: str, size: int, mm: mmap.mmap, owner: bool):
+        import torch
+
+        self.path, self.size, self.owner = path, size, owner
+        self._mm = mm
+        self.tensor = torch.frombuffer(mm, dtype=torch.uint8) if size else torch.empty(0)
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+    @classmethod
+    def create(cls, size: int, tag: str = "seg", name: str | None = None) -> Segment:
+        """A new segment; named after its owner (reapable) unless ``name`` is given."""
+        size = max(int(size), 1)
+        path = _create(tag, size, None if name is None else segment_path(name))
+        return cls(path, size, _map(path, size), owner=True)
+
+    @classmethod
+    def attach(cls, name: str, populate: bool = False, writable: bool = True) -> Segment:
+        """Map the existing segment ``name`` (a bare name or a path in ``/dev/shm``)."""
+        path = segment_path(name)
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(fd, size, flags=flags, prot=prot)
+        finally:
+            os.close(fd)
+        return cls(path, size, mm, owner=False)
+
+    def unlink(self) -> None:
+        """Remove the name (mappings, here and in readers, stay valid while they live)."""
+        unlink(self.path)
 
 
 def view_as(

@@ -71,12 +71,18 @@ class Blob:
 
 @dataclass
 class Outgoing:
-    """An encoded message: kind (``obj`` or ``raw``), pickled skeleton and blobs."""
+    """An encoded message: kind (``obj`` or ``raw``), pickled skeleton and blobs.
+
+    ``shared`` (set by a broadcast): for a peer on this node, a shared-memory segment that
+    already holds the message's shared-memory blobs and their offsets by blob index, so
+    several readers map one copy.
+    """
 
     kind: str
     skeleton: bytes = b""
     blobs: list[Blob] = field(default_factory=list)
     desc: str = ""
+    shared: dict[str, tuple[Any, dict[int, int]]] = field(default_factory=dict)
 
 
 def tensor_blob(t: Any) -> Blob:

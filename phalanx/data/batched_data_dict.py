@@ -21,7 +21,11 @@ import torch
 import torch.nn.functional as F
 from typing_extensions import Self
 
+from phalanx.data.packing import PACKING_ALGORITHMS, pack
+
 __all__ = [
+    "MICROBATCH_ORDERS",
+    "ShardingError",
     "PACKING_ALGORITHMS",
     "BatchedDataDict",
     "DynamicBatchingArgs",
@@ -29,6 +33,11 @@ __all__ = [
 ]
 
 DictT = TypeVar("DictT", bound=Mapping[str, Any])
+
+
+class ShardingError(ValueError, AssertionError):
+    """A batch that cannot be sharded as asked. NeMo-RL raises ``AssertionError`` (with the
+    same leading words) here; this is also a ``ValueError``, phalanx's type for bad input."""
 
 
 class DynamicBatchingArgs(TypedDict):
@@ -57,13 +66,17 @@ class SequencePackingArgs(_SequencePackingRequired, total=False):
 
     Each micro-batch is a bin whose summed sequence lengths (each rounded up to
     ``sequence_length_pad_multiple``, default 1) fit in ``max_tokens_per_microbatch``;
-    ``algorithm`` is one of ``PACKING_ALGORITHMS``.
+    ``algorithm`` is one of ``PACKING_ALGORITHMS``. ``microbatch_order`` (a phalanx
+    addition, default ``"packer"``) is the order of each rank's micro-batches: the packer's
+    bin order, as NeMo-RL, or ``"largest_first"`` (bins sorted by packed tokens, largest
+    first, before they are dealt, so the peak-memory micro-batch runs first).
     """
 
     sequence_length_pad_multiple: int
+    microbatch_order: str
 
 
-PACKING_ALGORITHMS = ("first_fit_decreasing", "modified_first_fit_decreasing")
+MICROBATCH_ORDERS = ("packer", "largest_first")
 
 _DYNAMIC_KEYS = (
     "input_key",
@@ -203,121 +216,6 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-# ----------------------------------------------------------------------------- bin packing
-
-
-def _first_fit(
-    items: list[tuple[int, int]], capacity: int, bins: list[list[int]], loads: list[int]
-) -> None:
-    """Place (length, index) items, in the given order, into the first bin with room."""
-    for length, index in items:
-        for b, load in enumerate(loads):
-            if load + length <= capacity:
-                bins[b].append(index)
-                loads[b] += length
-                break
-        else:
-            bins.append([index])
-            loads.append(length)
-
-
-def _pack_ffd(lengths: list[int], capacity: int) -> list[list[int]]:
-    """First-fit decreasing: longest first, each into the first bin it fits."""
-    items = sorted(((n, i) for i, n in enumerate(lengths)), key=lambda t: (-t[0], t[1]))
-    bins: list[list[int]] = []
-    _first_fit(items, capacity, bins, [])
-    return bins
-
-
-def _pack_mffd(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Modified first-fit decreasing (Johnson and Garey, 1985).
-
-    Large items (> C/2) open one bin each; medium items (C/3, C/2] are matched to them
-    going forward, pairs of small items (C/6, C/3] going backward; then any remaining
-    item that fits is added largest first, and the rest are packed first-fit decreasing.
-    """
-    items = sorted(((n, i) for i, n in enumerate(lengths)), key=lambda t: (-t[0], t[1]))
-    large = [it for it in items if 2 * it[0] > capacity]
-    medium = [it for it in items if 3 * it[0] > capacity >= 2 * it[0]]
-    small = [it for it in items if 6 * it[0] > capacity >= 3 * it[0]]
-    rest = [it for it in items if capacity >= 6 * it[0]]
-
-    bins = [[i] for _, i in large]
-    loads = [n for n, _ in large]
-    got_medium = [False] * len(bins)
-    for b in range(len(bins)):  # forward: the largest medium item that fits
-        for k, (n, i) in enumerate(medium):
-            if loads[b] + n <= capacity:
-                bins[b].append(i)
-                loads[b] += n
-                got_medium[b] = True
-                del medium[k]
-                break
-    for b in reversed(range(len(bins))):  # backward: two small items into medium-less bins
-        if got_medium[b] or len(small) < 2:
-            continue
-        if loads[b] + small[-1][0] + small[-2][0] > capacity:
-            continue
-        n, i = small.pop()
-        bins[b].append(i)
-        loads[b] += n
-        for k, (m, j) in enumerate(small):
-            if loads[b] + m <= capacity:
-                bins[b].append(j)
-                loads[b] += m
-                del small[k]
-                break
-    leftover = sorted(medium + small + rest, key=lambda t: (-t[0], t[1]))
-    for b in range(len(bins)):  # forward: fill each large bin with what still fits
-        k = 0
-        while k < len(leftover):
-            n, i = leftover[k]
-            if loads[b] + n <= capacity:
-                bins[b].append(i)
-                loads[b] += n
-                del leftover[k]
-            else:
-                k += 1
-    _first_fit(leftover, capacity, bins, loads)
-    return bins
-
-
-_PACKERS = {"first_fit_decreasing": _pack_ffd, "modified_first_fit_decreasing": _pack_mffd}
-
-
-def _bins_for_shards(
-    bins: list[list[int]], lengths: list[int], shards: int
-) -> list[list[list[int]]]:
-    """Deal bins to shards so every shard gets the same number of micro-batches.
-
-    While the bin count is not a positive multiple of ``shards``, the heaviest bin holding
-    several sequences is halved (longest sequences dealt alternately, so both halves fit
-    and weigh about the same); an empty bin is added only when every bin holds a single
-    sequence. Heaviest bins are dealt first, each to the lightest shard of its round.
-    """
-    bins = [sorted(b) for b in bins if b]
-    while len(bins) < shards or len(bins) % shards:
-        splittable = [b for b in range(len(bins)) if len(bins[b]) > 1]
-        if not splittable:
-            bins.append([])
-            continue
-        b = max(splittable, key=lambda k: (sum(lengths[i] for i in bins[k]), -k))
-        members = sorted(bins[b], key=lambda i: (-lengths[i], i))
-        bins[b] = sorted(members[0::2])
-        bins.append(sorted(members[1::2]))
-    order = sorted(range(len(bins)), key=lambda b: (-sum(lengths[i] for i in bins[b]), b))
-    per_shard: list[list[list[int]]] = [[] for _ in range(shards)]
-    shard_load = [0] * shards
-    for start in range(0, len(order), shards):
-        free = list(range(shards))
-        for b in order[start : start + shards]:
-            s = min(free, key=lambda k: (shard_load[k], k))
-            free.remove(s)
-            per_shard[s].append(bins[b])
-            shard_load[s] += sum(lengths[i] for i in bins[b])
-    return per_shard
-
-
 # ----------------------------------------------------------------------------- the dict
 
 
@@ -348,25 +246,35 @@ class BatchedDataDict(dict, Generic[DictT]):
         """Concatenate batches along the batch dim.
 
         Tensors/arrays whose non-batch dims differ are right-padded to the largest size with
-        ``pad_value_dict[key]`` (default 0); lists are concatenated. All batches must have the
-        same keys.
+        ``pad_value_dict[key]`` (default 0); lists are concatenated. Non-empty batches must
+        have the same keys; an empty batch (no rows, e.g. the output of an empty
+        data-parallel shard) may lack keys, and an empty list gives an empty dict.
         """
         if isinstance(batches, Mapping) or not _is_sequence(batches):
             raise TypeError(f"batches must be a sequence of mappings, got {type(batches).__name__}")
-        if not batches:
-            raise ValueError("batches must not be empty")
         for b, batch in enumerate(batches):
             if not isinstance(batch, Mapping):
                 raise TypeError(f"batches[{b}] is a {type(batch).__name__}, not a mapping")
-        keys = list(batches[0])
-        for b, batch in enumerate(batches[1:], start=1):
-            if set(batch) != set(keys):
-                raise ValueError(
-                    f"batches[{b}] has keys {sorted(map(str, batch))}, batches[0] has "
-                    f"{sorted(map(str, keys))}; all batches need the same keys"
-                )
+        if not batches:
+            return cls()
+        rows = [max((_batch_len(k, v) for k, v in batch.items()), default=0) for batch in batches]
+        full = [b for b, n in enumerate(rows) if n] or list(range(len(batches)))
+        keys = list(batches[full[0]])
+        for b, batch in enumerate(batches):
+            if set(batch) == set(keys) or (not rows[b] and set(batch) <= set(keys)):
+                continue
+            raise ValueError(
+                f"batches[{b}] has keys {sorted(map(str, batch))}, batches[{full[0]}] has "
+                f"{sorted(map(str, keys))}; all non-empty batches need the same keys"
+            )
         pads = dict(pad_value_dict or {})
-        return cls({k: _concat(k, [batch[k] for batch in batches], pads.get(k, 0)) for k in keys})
+        use = [b for b in range(len(batches)) if rows[b]] or list(range(len(batches)))
+        return cls(
+            {
+                k: _concat(k, [batches[b][k] for b in use if k in batches[b]], pads.get(k, 0))
+                for k in keys
+            }
+        )
 
     # ------------------------------------------------------------------ basic views
 
@@ -517,21 +425,26 @@ class BatchedDataDict(dict, Generic[DictT]):
         if batch_size is not None:
             batch_size = _check_int(batch_size, "batch_size", minimum=1)
         if dynamic_batching_args is not None and sequence_packing_args is not None:
-            raise ValueError(
-                "dynamic_batching_args and sequence_packing_args cannot be used together"
+            raise ShardingError(
+                "dynamic_batching_args and sequence_packing_args cannot be passed together"
             )
-        total = self.size
+        try:
+            total = self.size
+        except ValueError as e:
+            raise ShardingError(
+                f"Batch sizes are not the same across the rollout batch: {e}"
+            ) from None
         if batch_size is None:
             batch_size = max(total, 1)
         if not allow_uneven_shards:
             if total % batch_size:
-                raise ValueError(
-                    f"batch_size ({batch_size}) must divide the data size ({total}); "
+                raise ShardingError(
+                    f"Total batch size ({total}) is not a multiple of batch_size ({batch_size}); "
                     "pass allow_uneven_shards=True to accept a partial last global batch"
                 )
             if batch_size % shards and total:
-                raise ValueError(
-                    f"shards ({shards}) must divide batch_size ({batch_size}); "
+                raise ShardingError(
+                    f"Batch size ({batch_size}) is not a multiple of shards ({shards}); "
                     "pass allow_uneven_shards=True to accept shards differing by one"
                 )
         global_batches = [(s, min(s + batch_size, total)) for s in range(0, total, batch_size)]
@@ -645,7 +558,8 @@ class BatchedDataDict(dict, Generic[DictT]):
     def _shard_packed(
         self, shards: int, global_batches: list[tuple[int, int]], args: SequencePackingArgs
     ) -> tuple[list[Self], list[int]]:
-        """Bin-pack each global batch and deal the bins (micro-batches) to shards."""
+        """Bin-pack each global batch (NeMo-RL's layouts) and deal bin ``b`` to shard
+        ``b % shards``; the packer makes the bin count a multiple of ``shards``."""
         name = "sequence_packing_args"
         lengths = self._lengths(args, name, _PACKING_KEYS)
         capacity = _check_int(
@@ -655,9 +569,14 @@ class BatchedDataDict(dict, Generic[DictT]):
             args.get("sequence_length_pad_multiple", 1), f"{name}[sequence_length_pad_multiple]", 1
         )
         algorithm = args["algorithm"]
-        if algorithm not in _PACKERS:
+        if algorithm not in PACKING_ALGORITHMS:
             raise ValueError(
                 f"{name}[algorithm] must be one of {PACKING_ALGORITHMS}, got {algorithm!r}"
+            )
+        order = args.get("microbatch_order", "packer")
+        if order not in MICROBATCH_ORDERS:
+            raise ValueError(
+                f"{name}[microbatch_order] must be one of {MICROBATCH_ORDERS}, got {order!r}"
             )
         padded = [_round_up(n, multiple) for n in lengths]
         too_long = [n for n in padded if n > capacity]
@@ -671,17 +590,21 @@ class BatchedDataDict(dict, Generic[DictT]):
         plans: list[tuple[list, list, list]] = [([], [], []) for _ in range(shards)]
         for start, end in global_batches:
             local = padded[start:end]
-            bins = _PACKERS[algorithm](local, capacity)
-            for s, shard_bins in enumerate(_bins_for_shards(bins, local, shards)):
-                micro, micro_len, n = [], [], 0
-                for b in shard_bins:
-                    shard_rows[s].extend(start + i for i in b)
-                    micro.append([n, n + len(b)])
-                    micro_len.append(sum(local[i] for i in b))
-                    n += len(b)
-                plans[s][0].append(micro)
-                plans[s][1].append(micro_len)
-                plans[s][2].append(n)
+            bins = pack(local, capacity, algorithm, min_bin_count=shards, bin_count_multiple=shards)
+            if order == "largest_first":
+                bins.sort(key=lambda b: sum(local[i] for i in b), reverse=True)
+            micro: list[list[list[int]]] = [[] for _ in range(shards)]
+            micro_len: list[list[int]] = [[] for _ in range(shards)]
+            for b, members in enumerate(bins):
+                s = b % shards
+                shard_rows[s].extend(start + i for i in members)
+                n = micro[s][-1][1] if micro[s] else 0
+                micro[s].append([n, n + len(members)])
+                micro_len[s].append(sum(local[i] for i in members))
+            for s in range(shards):
+                plans[s][0].append(micro[s])
+                plans[s][1].append(micro_len[s])
+                plans[s][2].append(micro[s][-1][1] if micro[s] else 0)
         return self._make_shards(shard_rows, plans)
 
     # ------------------------------------------------------------------ micro-batches

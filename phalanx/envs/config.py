@@ -34,21 +34,27 @@ class EnvRunnerGroupConfig:
     Policies:
         policy_config: keyword arguments of the default policy class (e.g. ``hidden``).
         policies_to_train: policy ids the learner trains (None: all of them).
-    Runners and fault tolerance:
+    Runners and fault tolerance (RLlib's rules): any error from a remote runner - its
+    env raised, its process died - takes it out of service and drops its result.
         num_env_runners: remote runner processes (0: sample on the local runner only).
         num_cpus_per_env_runner: logical CPUs each runner reserves in Ray (1).
-        restart_failed_env_runners: recreate a runner whose process died (True).
+        restart_failed_env_runners: replace a failed runner's process (its env raised
+            or it died) at once; the call it failed in goes on without it and it is back
+            in service at the next probe (``sample`` probes every round) (True).
         max_num_env_runner_restarts: restarts allowed per runner before it is given up
             (100; stops a crash loop, not a run with the odd failure).
         delay_between_env_runner_restarts_s: wait before recreating a runner (0.0 s: a new
             runner is up in about a second here; RLlib's default is 60 s).
-        env_runner_health_probe_timeout_s: how long a ping, a state restore or a restart
-            may take before a runner counts as unhealthy (10 s).
+        env_runner_health_probe_timeout_s: how long a probe waits for a restart under way
+            and for a ping, and how long a state restore may take (10 s).
         max_requests_in_flight_per_env_runner: async requests per runner at a time (1).
-        ignore_env_runner_failures: go on with the runners left when one fails and
-            cannot be restarted, instead of raising (False).
-        sample_timeout_s: the longest a ``sample`` round may take before an error that
-            names the runners still sampling (60 s).
+        ignore_env_runner_failures: without restarts, go on with the runners left when
+            one fails (a probe brings it back if it answers) instead of raising (False).
+            With both this and ``restart_failed_env_runners`` off, a runner's error
+            raises (the runner is out of service all the same).
+        sample_timeout_s: how long a ``sample`` round waits; a runner still sampling then
+            loses its batch for the round and is taken out of service, and restarted if
+            ``restart_failed_env_runners``; a stall never raises (60 s).
     """
 
     env: str | None = None

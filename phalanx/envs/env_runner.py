@@ -66,6 +66,8 @@ class EnvRunner(Worker):
     ``rank + 1`` (the default inside a group).
     """
 
+    read_only_weights = True  # inference only: same-node sends give it views, not copies
+
     def __init__(
         self,
         config: EnvRunnerGroupConfig,
@@ -305,7 +307,13 @@ class EnvRunner(Worker):
             pt = state["policies_to_train"]
             self.policies_to_train = None if pt is None else set(pt)
         self.set_connector_state(state.get("connector") or {})
-        self.num_env_steps_sampled = int(state.get("num_env_steps_sampled", 0))
+        if "num_env_steps_sampled" in state:
+            self.num_env_steps_sampled = int(state["num_env_steps_sampled"])
+
+    def ping(self) -> str:
+        """``"pong"``: the health probe. It queues behind a running call, so a runner stuck
+        in ``sample`` does not answer until that call ends."""
+        return "pong"
 
     # -- sampling -----------------------------------------------------------------------
     def sample(
@@ -341,19 +349,24 @@ class EnvRunner(Worker):
         explore = self.config.explore if explore is None else explore
         t0 = time.perf_counter()
         self._update_norm = update_connectors
-        with torch.inference_mode():
-            if num_episodes is not None:
-                batch = self._sample_episodes(policy, num_episodes, explore, random_actions)
-            else:
-                n = self.env.num_envs
-                steps = (
-                    math.ceil(num_timesteps / n)
-                    if num_timesteps is not None
-                    else self.config.rollout_fragment_length
-                )
-                if force_reset:
-                    self._needs_reset = True
-                batch = self._sample_steps(policy, steps, explore, random_actions)
+        try:
+            with torch.inference_mode():
+                if num_episodes is not None:
+                    batch = self._sample_episodes(policy, num_episodes, explore, random_actions)
+                else:
+                    n = self.env.num_envs
+                    steps = (
+                        math.ceil(num_timesteps / n)
+                        if num_timesteps is not None
+                        else self.config.rollout_fragment_length
+                    )
+                    if force_reset:
+                        self._needs_reset = True
+                    batch = self._sample_steps(policy, steps, explore, random_actions)
+        except BaseException:
+            # The envs may be mid-step: the next call starts from fresh episodes.
+            self._needs_reset = True
+            raise
         batch["weights_version"] = self.weights_version
         batch["worker_index"] = self.worker_index
         batch["sample_time_s"] = time.perf_counter() - t0

@@ -2,11 +2,19 @@
 
 Zero or one *local* runner lives in the driver process; ``num_env_runners`` *remote*
 runners are the workers of one phalanx ``WorkerGroup`` launched with a
-``RestartPolicy`` built from the config. Health, restarts, ``foreach_worker*`` and async
-requests delegate to that group's fault-tolerance API; weights go through
-``phalanx.weights.WeightSender``, which also re-sends the latest version to a runner
-after it was restarted; connector state (the observation normaliser) is merged across
-runners and registered on the group so a restarted runner gets it back.
+``RestartPolicy`` built from the config. Weights go through
+``phalanx.weights.WeightSender``; connector state (the observation normaliser) is merged
+across runners and registered on the group so a restarted runner gets it back.
+
+Failure semantics are RLlib's (see :mod:`phalanx.envs.runner_health`): any error from a
+remote runner - its env raised, its process died - takes it out of service and drops its
+result for that call; the call completes from the other runners when
+``restart_failed_env_runners`` or ``ignore_env_runner_failures`` is set, and raises the
+runner's error when both are off. With ``restart_failed_env_runners`` the runner's process
+is replaced at once (in the background); it returns to service at the next probe, which
+``sample`` runs at the start of every round. A runner still sampling after
+``sample_timeout_s`` loses its batch for the round and is restarted (or, without
+restarts, left out until it answers a probe); a stall never raises.
 
 Worker ids follow RLlib: 0 is the local runner, remote runners are ``1..n`` (the phalanx
 rank plus one, and the ``worker_index`` of their :class:`EnvContext`).
@@ -15,6 +23,7 @@ rank plus one, and the ``worker_index`` of their :class:`EnvContext`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,12 +31,16 @@ import gymnasium as gym
 import numpy as np
 import ray
 import torch
+from ray.exceptions import RayActorError, RayTaskError
 
-from phalanx._base.errors import GroupTimeoutError, WorkerDiedError
+from phalanx._base.errors import WorkerDiedError
+from phalanx.envs import runner_calls
 from phalanx.envs.config import DEFAULT_POLICY_ID, EnvContext, EnvRunnerGroupConfig
 from phalanx.envs.env_runner import EnvCreator, EnvRunner, check_env_id, make_env
 from phalanx.envs.normalize import RunningMeanStd
-from phalanx.group.fault import RestartPolicy
+from phalanx.envs.runner_calls import RunnerCall
+from phalanx.envs.runner_health import AsyncRequest, RunnerHealth
+from phalanx.group.fault import RestartPolicy, WorkerHealth
 from phalanx.group.futures import GroupHandle
 from phalanx.group.group import WorkerGroup
 from phalanx.resources.cluster import Cluster
@@ -112,6 +125,9 @@ class EnvRunnerGroup:
         self._cluster = cluster
         self._name = name
         self._group: WorkerGroup | None = None
+        self._health = RunnerHealth()
+        self._sample_actors: dict[ray.ObjectRef, Any] = {}
+        self._remove_hook: Callable[[], None] | None = None
         self._sender: Any = None
         self._sync_pending = False
         self._local: EnvRunner | None = None
@@ -213,21 +229,34 @@ class EnvRunnerGroup:
             restart_policy=self._restart_policy(),
         )
         group.max_requests_in_flight_per_worker = self.config.max_requests_in_flight_per_env_runner
-        self._group = group
+        self._adopt(group)
         if validate:
             self._validate_remote_spaces()
         if self._added_policies or self._obs_norm is not None:
-            group.foreach_worker(_apply_state, kwargs={"state": self._restore_state()})
+            self._foreach_remote(_apply_state, kwargs={"state": self._restore_state()})
         self._register_restore_state()
         if self._local is not None:
             self.sync_weights(timeout_seconds=None)
         elif carried is not None:
             self.sync_weights(from_worker_or_learner_group=carried, timeout_seconds=None)
 
+    def _adopt(self, group: WorkerGroup) -> None:
+        """Make ``group`` this set's remote runners: all in service, restarts watched."""
+        if self._remove_hook is not None:
+            self._remove_hook()
+        self._group = group
+        self._health.reset()
+        self._remove_hook = group.add_restart_hook(self._on_restarted)
+
+    def _on_restarted(self, ranks: list[int]) -> None:
+        """Restart hook: a runner whose process was replaced stays out until a probe."""
+        with self._health.lock:
+            for r in ranks:
+                if r not in self._health.restoring:
+                    self._health.take_out(r)
+
     def _validate_remote_spaces(self) -> None:
-        spaces = self._group.foreach_worker(
-            _env_spaces, timeout_seconds=self.config.sample_timeout_s
-        )
+        spaces = self._foreach_remote(_env_spaces, timeout_seconds=self.config.sample_timeout_s)
         ref = (
             spaces[0]
             if self._local is None
@@ -284,48 +313,278 @@ class EnvRunnerGroup:
         """The phalanx ``WorkerGroup`` of the remote runners."""
         return self._group
 
-    def num_remote_workers(self) -> int:
-        """The number of remote EnvRunners."""
+    def num_remote_env_runners(self) -> int:
+        """The number of remote EnvRunners (healthy or not)."""
         return 0 if self._group is None else self._group.world_size
 
-    def num_remote_env_runners(self) -> int:
-        """The number of remote EnvRunners."""
-        return self.num_remote_workers()
+    def num_remote_workers(self) -> int:
+        """RLlib's older name of ``num_remote_env_runners``."""
+        return self.num_remote_env_runners()
 
-    def healthy_worker_ids(self) -> list[int]:
-        """Ids (1..n) of the remote runners that are healthy."""
-        return [] if self._group is None else [r + 1 for r in self._group.healthy_worker_ids()]
-
-    def num_healthy_remote_workers(self) -> int:
-        return len(self.healthy_worker_ids())
-
-    def num_healthy_workers(self) -> int:
-        """Healthy remote runners, plus the local one."""
-        return self.num_healthy_remote_workers() + (1 if self._local is not None else 0)
-
-    def num_remote_worker_restarts(self) -> int:
-        """How many times remote runners were restarted (and came back)."""
-        return 0 if self._group is None else self._group.num_remote_worker_restarts()
-
-    def num_in_flight_async_reqs(self, tags: str | list[str] | None = None) -> int:
-        return 0 if self._group is None else self._group.num_in_flight_async_reqs(tags)
-
-    def probe_unhealthy_workers(self, timeout_seconds: float | None = None) -> list[int]:
-        """Ping unhealthy runners, restore or restart them; ids of those that came back.
-
-        A runner that comes back gets the registered connector state and extra policies
-        (``set_state``) and the latest weights before it takes calls again.
-        """
+    def _in_service(self) -> list[int]:
+        """Ranks in service: not taken out, and their process up (a death takes one out)."""
         if self._group is None:
             return []
+        health = self._group.health()
+        with self._health.lock:
+            for r, h in health.items():
+                if h != WorkerHealth.HEALTHY:
+                    self._health.take_out(r)
+            return [r for r in range(len(health)) if r not in self._health.out]
+
+    def healthy_env_runner_ids(self) -> list[int]:
+        """Ids (1..n) of the remote runners in service."""
+        return [r + 1 for r in self._in_service()]
+
+    def healthy_worker_ids(self) -> list[int]:
+        """RLlib's older name of ``healthy_env_runner_ids``."""
+        return self.healthy_env_runner_ids()
+
+    def num_healthy_remote_env_runners(self) -> int:
+        """The number of remote runners in service."""
+        return len(self._in_service())
+
+    def num_healthy_remote_workers(self) -> int:
+        return self.num_healthy_remote_env_runners()
+
+    def num_healthy_env_runners(self) -> int:
+        """Remote runners in service, plus the local runner if there is one."""
+        return self.num_healthy_remote_env_runners() + (1 if self._local is not None else 0)
+
+    def num_healthy_workers(self) -> int:
+        return self.num_healthy_env_runners()
+
+    def num_remote_env_runner_restarts(self) -> int:
+        """How many times a remote runner came back into service (RLlib's count).
+
+        A runner counts when a probe (or a ``mark_healthy`` call) brings it back after a
+        failure, whether its process was replaced or it only answered again.
+        """
+        return self._health.num_restarts
+
+    def num_remote_worker_restarts(self) -> int:
+        """RLlib's older name of ``num_remote_env_runner_restarts``."""
+        return self.num_remote_env_runner_restarts()
+
+    def num_in_flight_async_reqs(
+        self, tag: str | None = None, *, tags: str | list[str] | None = None
+    ) -> int:
+        """Async requests sent and not yet fetched (of ``tag``/``tags``; default all)."""
+        wanted = _tag_set(tags if tags is not None else tag)
+        with self._health.lock:
+            return sum(
+                1 for q in self._health.in_flight.values() if wanted is None or q.tag in wanted
+            )
+
+    def probe_unhealthy_env_runners(self) -> list[int]:
+        """Bring runners that are out of service back if they answer; ids of those back.
+
+        Waits (up to ``env_runner_health_probe_timeout_s``) for process restarts under
+        way, pings every out-of-service runner whose process is up, gives those that
+        answer the current connector state, extra policies and weights, and puts them
+        back in service (one restart each). Runners brought back since the last probe by
+        a ``mark_healthy`` call are included.
+        """
+        return self._probe(self.config.env_runner_health_probe_timeout_s, wait=True)
+
+    def probe_unhealthy_workers(self, timeout_seconds: float | None = None) -> list[int]:
+        """RLlib's older probe, with its timeout argument (default: the config's)."""
         if timeout_seconds is None:
             timeout_seconds = self.config.env_runner_health_probe_timeout_s
-        return [r + 1 for r in self._group.probe_unhealthy_workers(timeout_seconds)]
+        if (
+            isinstance(timeout_seconds, bool)
+            or not isinstance(timeout_seconds, (int, float))
+            or timeout_seconds <= 0
+        ):
+            raise ValueError(f"timeout_seconds must be a positive number, got {timeout_seconds!r}")
+        return self._probe(float(timeout_seconds), wait=True)
+
+    def _probe(self, timeout: float, wait: bool) -> list[int]:
+        """The probe; ``wait=False`` leaves restarts under way for a later probe."""
+        if self._group is None:
+            return []
+        self._in_service()  # note deaths the group saw
+        back = [r + 1 for r in self._health.pop_restored()]
+        with self._health.lock:
+            targets = sorted(self._health.out)
+        if not targets:
+            return back
+        if wait:
+            deadline = time.monotonic() + timeout
+            if any(self._group.health()[r] == WorkerHealth.UNHEALTHY for r in targets):
+                self._group.probe_unhealthy_workers(timeout)  # restart what can be
+            health = self._group.health()
+            under_way = [r for r in targets if health[r] in _COMING_BACK]
+            if under_way:
+                self._group.wait_healthy(max(deadline - time.monotonic(), 0.01), ranks=under_way)
+        health = self._group.health()
+        up = [
+            r
+            for r in targets
+            if health[r] == WorkerHealth.HEALTHY and not self._health.still_busy(r)
+        ]
+        if not up:
+            return back
+        answered = self._call_remote("ping", up, None, timeout)
+        restored = self._restore_runners([r for r, _ in answered.values], timeout)
+        return sorted({*back, *(r + 1 for r in self._health.bring_back(restored))})
+
+    def _restore_runners(self, ranks: list[int], timeout: float) -> list[int]:
+        """Give runners coming back the current state and weights; the ranks that took them."""
+        if not ranks:
+            return []
+        state = self._restore_state()
+        with self._health.lock:
+            self._health.restoring.update(ranks)
+        try:
+            rnd = self._call_remote(
+                _restore_runner, ranks, {"state": state, "global_vars": self.global_vars}, timeout
+            )
+            ok = [r for r, _ in rnd.values]
+            for r, err in rnd.errors:
+                logger.warning("env runner %d: restoring its state failed: %s", r + 1, err)
+            if ok and self._weights_version > 0:
+                # The weight sender's hook re-sends the latest version to these ranks.
+                self._group.run_restart_hooks(ok)
+            return ok
+        except Exception as e:  # noqa: BLE001 - they stay out; the next probe tries again
+            logger.warning("env runners %s: restore failed: %s", [r + 1 for r in ranks], e)
+            return []
+        finally:
+            with self._health.lock:
+                self._health.restoring.difference_update(ranks)
+
+    # ------------------------------------------------------------------ calls and failures
+    def _select(
+        self,
+        func: Any,
+        remote_worker_ids: list[int] | None,
+        healthy_only: bool,
+    ) -> tuple[list[int], list[Any] | None]:
+        """Ranks to call (and their functions, for a list of functions), RLlib's filter:
+        with ``healthy_only`` the runners out of service and their functions drop out."""
+        ranks = (
+            list(range(self.num_remote_env_runners()))
+            if remote_worker_ids is None
+            else self._ranks(remote_worker_ids)
+        )
+        funcs = None
+        if isinstance(func, list):
+            if len(func) != len(ranks):
+                raise ValueError(
+                    f"func: a list of {len(func)} functions for {len(ranks)} remote env runners"
+                )
+            funcs = list(func)
+        for f in funcs if funcs is not None else [func]:
+            if not (callable(f) or isinstance(f, str)):
+                raise TypeError(f"func must be a callable or a method name, got {type(f).__name__}")
+        if healthy_only:
+            keep = set(self._in_service())
+            if funcs is not None:
+                funcs = [f for f, r in zip(funcs, ranks) if r in keep]
+            ranks = [r for r in ranks if r in keep]
+        return ranks, funcs
+
+    def _call_remote(
+        self,
+        func: Any,
+        ranks: list[int],
+        kwargs: dict[str, Any] | None,
+        timeout: float | None,
+        funcs: list[Any] | None = None,
+        *,
+        return_obj_refs: bool = False,
+    ) -> RunnerCall:
+        """Call ``func`` on ``ranks`` and collect within ``timeout`` (see ``runner_calls``)."""
+        return runner_calls.call(
+            self._group, func, ranks, kwargs, timeout, funcs, return_obj_refs=return_obj_refs
+        )
+
+    def _runner_failed(self, rank: int, err: BaseException, actor: Any = None) -> None:
+        """An error from runner ``rank``: out of service; replaced if the config restarts.
+
+        A dead process is restarted by the group's restart policy; a runner whose call
+        raised is killed here so the group replaces it (RLlib's runners exit for that).
+        """
+        dropped = self._health.take_out(rank)
+        if dropped:
+            logger.warning("env runner %d: %d async requests dropped with it", rank + 1, dropped)
+        if (
+            not isinstance(err, WorkerDiedError)
+            and actor is not None
+            and self.config.restart_failed_env_runners
+        ):
+            self._replace(rank, actor)
+        elif actor is not None:
+            self._await_noticed(rank, actor, dead=isinstance(err, WorkerDiedError))
+
+    def _replace(self, rank: int, actor: Any) -> None:
+        """Kill this incarnation of ``rank``; the group's restart policy starts a new one."""
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as e:  # noqa: BLE001 - already gone
+            logger.debug("killing env runner %d: %s", rank + 1, e)
+        self._await_noticed(rank, actor, dead=True)
+
+    def _await_noticed(self, rank: int, actor: Any, dead: bool) -> None:
+        """Wait (bounded) until the group saw the death of ``actor``, so the next probe
+        finds the restart under way instead of a dead handle."""
+        if not dead:
+            return
+        deadline = time.monotonic() + self.config.env_runner_health_probe_timeout_s
+        while time.monotonic() < deadline:
+            if self._group.actors[rank] is not actor:
+                return
+            if self._group.health()[rank] != WorkerHealth.HEALTHY:
+                return
+            time.sleep(0.005)
+
+    def _settle(self, rnd: RunnerCall, *, mark_healthy: bool = False) -> None:
+        """RLlib's error rule for a finished call: failed runners go out of service; their
+        errors raise unless the config restarts or ignores failed runners."""
+        for rank, err in rnd.errors:
+            self._runner_failed(rank, err, rnd.actors.get(rank))
+        for rank, _, _ in rnd.pending:
+            # timeout 0 is RLlib's fire-and-forget: not collecting is what was asked for
+            logger.log(
+                logging.DEBUG if rnd.timeout == 0 else logging.WARNING,
+                "env runner %d: %s() still running after %ss; its result is dropped",
+                rank + 1,
+                rnd.method,
+                rnd.timeout,
+            )
+        if mark_healthy and rnd.values:
+            back = self._health.bring_back([r for r, _ in rnd.values])
+            with self._health.lock:
+                self._health.restored.update(back)
+        if rnd.errors:
+            if not self._fault_tolerant:
+                raise rnd.errors[0][1]
+            for rank, err in rnd.errors:
+                logger.warning(
+                    "env runner %d failed and is out of service: %s",
+                    rank + 1,
+                    str(err).splitlines()[0],
+                )
+
+    def _foreach_remote(
+        self,
+        func: Any,
+        *,
+        kwargs: dict[str, Any] | None = None,
+        ranks: list[int] | None = None,
+        timeout_seconds: float | None = None,
+    ) -> list[Any]:
+        """Values of ``func`` on the runners in service (rank order), failures per config."""
+        sel = self._in_service() if ranks is None else [r for r in ranks if r in self._in_service()]
+        rnd = self._call_remote(func, sel, kwargs, timeout_seconds)
+        self._settle(rnd)
+        return [v for _, v in rnd.values]
 
     # ------------------------------------------------------------------ foreach
-    def foreach_worker(
+    def foreach_env_runner(
         self,
-        func: Callable[[EnvRunner], Any] | str,
+        func: Callable[[EnvRunner], Any] | str | list[Callable[[EnvRunner], Any] | str],
         *,
         kwargs: dict[str, Any] | None = None,
         local_env_runner: bool = True,
@@ -338,29 +597,37 @@ class EnvRunnerGroup:
     ) -> list[Any]:
         """``func(runner)`` (or the runner method named ``func``) on each runner.
 
-        Local runner's result first (if it exists and ``local_env_runner``), then the
-        remote runners' in id order.
+        The local runner's result first (if it exists and ``local_env_runner``), then the
+        remote runners' in id order. ``func`` may be a list with one function per selected
+        remote runner. ``healthy_only`` calls only the runners in service. A runner that
+        fails is taken out of service and its result left out; its error raises unless
+        the config restarts or ignores failed runners. Results not ready after
+        ``timeout_seconds`` are dropped (logged; the runner stays in service);
+        ``return_obj_refs`` returns the refs of the results ready by then.
+        ``mark_healthy`` (with ``healthy_only=False``) brings runners out of service that
+        answer back, each counted as a restart.
         """
         if local_worker is not None:
             local_env_runner = local_worker
-        out: list[Any] = []
-        if local_env_runner and self._local is not None and not return_obj_refs:
-            out.append(_call_local(self._local, func, kwargs))
-        if self._group is not None:
-            out.extend(
-                self._group.foreach_worker(
-                    func,
-                    kwargs=kwargs,
-                    healthy_only=healthy_only,
-                    remote_worker_ids=self._ranks(remote_worker_ids),
-                    timeout_seconds=timeout_seconds,
-                    return_obj_refs=return_obj_refs,
-                    mark_healthy=mark_healthy,
-                )
+        if return_obj_refs and local_env_runner and self._local is not None:
+            raise ValueError(
+                "return_obj_refs: the local runner has no object refs; pass local_env_runner=False"
             )
+        _check_timeout(timeout_seconds)
+        out: list[Any] = []
+        if self._group is not None:
+            ranks, funcs = self._select(func, remote_worker_ids, healthy_only)
+            rnd = self._call_remote(
+                func, ranks, kwargs, timeout_seconds, funcs, return_obj_refs=return_obj_refs
+            )
+            self._settle(rnd, mark_healthy=mark_healthy)
+            out = [v for _, v in rnd.values]
+        if local_env_runner and self._local is not None:
+            local_func = func[0] if isinstance(func, list) else func
+            out.insert(0, runner_calls.call_on_runner(self._local, local_func, kwargs))
         return out
 
-    foreach_env_runner = foreach_worker
+    foreach_worker = foreach_env_runner
 
     def foreach_worker_with_id(
         self,
@@ -376,7 +643,7 @@ class EnvRunnerGroup:
         local_worker: bool | None = None,
     ) -> list[Any]:
         """``func(worker_id, runner)`` on each runner (the local runner's id is 0)."""
-        return self.foreach_worker(
+        return self.foreach_env_runner(
             _with_worker_id,
             kwargs={"func": func, "kwargs": kwargs or {}},
             local_env_runner=local_env_runner if local_worker is None else local_worker,
@@ -387,50 +654,178 @@ class EnvRunnerGroup:
             mark_healthy=mark_healthy,
         )
 
-    def foreach_worker_async(
+    foreach_env_runner_with_id = foreach_worker_with_id
+
+    # ------------------------------------------------------------------ async requests
+    def foreach_env_runner_async(
         self,
-        func: Callable[[EnvRunner], Any] | str,
-        *,
+        func: Callable[[EnvRunner], Any] | str | list[Callable[[EnvRunner], Any] | str],
         tag: str | None = None,
+        *,
         kwargs: dict[str, Any] | None = None,
         healthy_only: bool = True,
         remote_worker_ids: list[int] | None = None,
     ) -> int:
         """Start ``func`` on the remote runners without waiting; returns how many requests
-        were sent (runners already at ``max_requests_in_flight_per_env_runner`` are skipped).
-        Collect with ``fetch_ready_async_reqs``."""
+        were sent. A runner that already has ``max_requests_in_flight_per_env_runner``
+        requests in flight (any tag) gets none. Collect with ``fetch_ready_async_reqs``."""
+        if tag is not None and not isinstance(tag, str):
+            raise TypeError(f"tag must be a str or None, got {type(tag).__name__}")
         if self._group is None:
             return 0
-        sub = self._group.foreach_worker_async(
-            func,
-            tag=tag,
-            kwargs=kwargs,
-            healthy_only=healthy_only,
-            remote_worker_ids=self._ranks(remote_worker_ids),
-            max_in_flight_per_worker=self.config.max_requests_in_flight_per_env_runner,
+        ranks, funcs = self._select(func, remote_worker_ids, healthy_only)
+        budget = self.config.max_requests_in_flight_per_env_runner
+        with self._health.lock:
+            busy: dict[int, int] = {}
+            for q in self._health.in_flight.values():
+                busy[q.rank] = busy.get(q.rank, 0) + 1
+        send, send_funcs = [], []
+        for i, r in enumerate(ranks):
+            if busy.get(r, 0) < budget:
+                busy[r] = busy.get(r, 0) + 1
+                send.append(r)
+                if funcs is not None:
+                    send_funcs.append(funcs[i])
+        over = [r + 1 for r in ranks if r not in send]
+        if over:
+            logger.debug("foreach_env_runner_async: runners %s are at their in-flight limit", over)
+        if not send:
+            return 0
+        called, refs, actors, down = runner_calls.start(
+            self._group, func, send, kwargs, send_funcs if funcs is not None else None
         )
-        return int(sub)
+        with self._health.lock:
+            for rank, ref, actor in zip(called, refs, actors):
+                self._health.in_flight[ref] = AsyncRequest(tag, rank, actor)
+        for r in down:
+            self._health.take_out(r)
+        return len(refs)
 
-    foreach_env_runner_async = foreach_worker_async
+    foreach_worker_async = foreach_env_runner_async
+
+    def _fetch(
+        self,
+        tags: set[str | None] | None,
+        timeout_seconds: float | None,
+        return_obj_refs: bool,
+        mark_healthy: bool,
+    ) -> tuple[list[tuple[int, Any]], list[tuple[int, BaseException]]]:
+        """Ready async requests of ``tags``: their values and errors (runners that failed
+        are out of service already). Waits up to ``timeout_seconds`` for all of them."""
+        h = self._health
+        with h.lock:
+            held = [(r, v) for t, r, v in h.held if tags is None or t in tags]
+            h.held = [x for x in h.held if not (tags is None or x[0] in tags)]
+            mine = [(ref, q) for ref, q in h.in_flight.items() if tags is None or q.tag in tags]
+        values: list[tuple[int, Any]] = list(held)
+        errors: list[tuple[int, BaseException]] = []
+        if mine:
+            refs = [ref for ref, _ in mine]
+            ready, _ = ray.wait(
+                refs, num_returns=len(refs), timeout=timeout_seconds, fetch_local=False
+            )
+            done = set(ready)
+            for ref, q in mine:
+                if ref not in done:
+                    continue
+                with h.lock:
+                    if h.in_flight.pop(ref, None) is None:
+                        continue  # its runner went out of service meanwhile
+                if return_obj_refs:
+                    values.append((q.rank, ref))
+                    continue
+                try:
+                    values.append((q.rank, ray.get(ref)))
+                except (RayTaskError, RayActorError) as e:
+                    err = runner_calls.runner_error(
+                        self._group.name, "foreach_env_runner_async", q.rank, e
+                    )
+                    errors.append((q.rank, err))
+                    self._runner_failed(q.rank, err, q.actor)
+        if mark_healthy and values:
+            back = h.bring_back([r for r, _ in values])
+            with h.lock:
+                h.restored.update(back)
+        return values, errors
+
+    def _raise_or_log(
+        self,
+        values: list[tuple[int, Any]],
+        errors: list[tuple[int, BaseException]],
+        tags: set[str | None] | None,
+    ) -> None:
+        """RLlib's rule for async errors; values fetched with a raised error are kept for
+        the next fetch, further errors are logged (nothing is dropped unseen)."""
+        if not errors:
+            return
+        first = errors[0][1]
+        for rank, err in errors[0 if self._fault_tolerant else 1 :]:
+            logger.warning(
+                "env runner %d failed an async request and is out of service: %s",
+                rank + 1,
+                str(err).splitlines()[0],
+            )
+        if not self._fault_tolerant:
+            tag = next(iter(tags)) if tags is not None and len(tags) == 1 else None
+            with self._health.lock:
+                self._health.held[:0] = [(tag, r, v) for r, v in values]
+            raise first
 
     def fetch_ready_async_reqs(
         self,
         *,
-        tags: str | list[str] | None = None,
+        tags: str | list[str] | tuple[str, ...] | None = None,
         timeout_seconds: float | None = 0.0,
         return_obj_refs: bool = False,
         mark_healthy: bool = False,
     ) -> list[tuple[int, Any]]:
-        """``(worker_id, result)`` of finished async requests (waits up to ``timeout_seconds``)."""
+        """``(worker_id, result)`` of the async requests (of ``tags``; None: all) that are
+        done. Waits up to ``timeout_seconds`` for every request in flight (None: until all
+        are done; 0: only those done now)."""
+        _check_timeout(timeout_seconds)
+        wanted = _tag_set(tags)
         if self._group is None:
             return []
-        got = self._group.fetch_ready_async_reqs(
-            tags=tags,
-            timeout_seconds=timeout_seconds,
-            return_obj_refs=return_obj_refs,
-            mark_healthy=mark_healthy,
+        values, errors = self._fetch(wanted, timeout_seconds, return_obj_refs, mark_healthy)
+        self._raise_or_log(values, errors, wanted)
+        return [(r + 1, v) for r, v in values]
+
+    def foreach_env_runner_async_fetch_ready(
+        self,
+        func: Callable[[EnvRunner], Any] | str | list[Callable[[EnvRunner], Any] | str],
+        kwargs: dict[str, Any] | None = None,
+        tag: str | None = None,
+        timeout_seconds: float | None = 0.0,
+        return_obj_refs: bool = False,
+        mark_healthy: bool = False,
+        healthy_only: bool = True,
+        remote_worker_ids: list[int] | None = None,
+        return_actor_ids: bool = False,
+    ) -> list[Any]:
+        """Fetch the results of earlier requests of ``tag``, then send ``func`` again.
+
+        First the ready results of requests made with the same ``tag`` are fetched (up
+        to ``timeout_seconds``), then ``func`` goes to the selected runners (those at
+        their in-flight limit are skipped), then errors are handled as in
+        ``fetch_ready_async_reqs``. Returns the fetched values, or ``(worker_id, value)``
+        pairs with ``return_actor_ids``.
+        """
+        _check_timeout(timeout_seconds)
+        if self._group is None:
+            return []
+        wanted = {tag}
+        values, errors = self._fetch(wanted, timeout_seconds, return_obj_refs, mark_healthy)
+        self.foreach_env_runner_async(
+            func,
+            tag,
+            kwargs=kwargs,
+            healthy_only=healthy_only,
+            remote_worker_ids=remote_worker_ids,
         )
-        return [(r + 1, v) for r, v in got]
+        self._raise_or_log(values, errors, wanted)
+        if return_actor_ids:
+            return [(r + 1, v) for r, v in values]
+        return [v for _, v in values]
 
     def foreach_env(self, func: Callable[[gym.Env], Any]) -> list[list[Any]]:
         """``func(sub_env)`` for every sub-environment; one list per runner (local first)."""
@@ -508,8 +903,8 @@ class EnvRunnerGroup:
             if policy_state is None:  # every runner starts from the local runner's weights
                 spec["policy_state"] = self._local.get_weights([policy_id])[policy_id]
         if self._group is not None:
-            self._group.foreach_worker(
-                _add_policy, kwargs={"policy_id": policy_id, "spec": spec}, remote_worker_ids=ranks
+            self._foreach_remote(
+                _add_policy, kwargs={"policy_id": policy_id, "spec": spec}, ranks=ranks
             )
         if policies_to_train is not None:
             self._policies_to_train = list(policies_to_train)
@@ -530,22 +925,24 @@ class EnvRunnerGroup:
         ids = self.healthy_worker_ids()
         if not ids:
             raise RuntimeError("get_spaces: no local runner and no healthy remote runner")
-        return self._group.foreach_worker(
-            "get_spaces",
-            remote_worker_ids=[ids[0] - 1],
-            timeout_seconds=self.config.sample_timeout_s,
-        )[0]
+        return self._first_answer("get_spaces", ids)
 
     # ------------------------------------------------------------------ weights and state
     def _remote_weights(self) -> dict[str, dict[str, np.ndarray]]:
         ids = self.healthy_worker_ids()
         if not ids:
             raise RuntimeError("no healthy remote runner to read weights from")
-        return self._group.foreach_worker(
-            "get_weights",
-            remote_worker_ids=[ids[0] - 1],
-            timeout_seconds=self.config.sample_timeout_s,
-        )[0]
+        return self._first_answer("get_weights", ids)
+
+    def _first_answer(self, method: str, ids: list[int]) -> Any:
+        """``method()`` of the first of the runners ``ids`` that answers (RLlib asks one)."""
+        for wid in ids:
+            got = self._foreach_remote(
+                method, ranks=[wid - 1], timeout_seconds=self.config.sample_timeout_s
+            )
+            if got:
+                return got[0]
+        raise RuntimeError(f"{method}: none of the remote runners {ids} answered")
 
     def sync_weights(
         self,
@@ -586,7 +983,7 @@ class EnvRunnerGroup:
             if self._sync_pending:
                 self._sync_pending = False
                 self._sender.wait_async()
-            healthy = set(self._group.healthy_worker_ids())
+            healthy = set(self._in_service())
             targets = [
                 r
                 for r in (ranks if ranks is not None else range(self.num_remote_workers()))
@@ -628,11 +1025,7 @@ class EnvRunnerGroup:
             weights = {pid: _state(p) for pid, p in source.policies.items()}
         elif isinstance(source, int) and not isinstance(source, bool):
             rank = self._ranks([source], "from_worker_or_learner_group")[0]
-            weights = self._group.foreach_worker(
-                "get_weights",
-                remote_worker_ids=[rank],
-                timeout_seconds=self.config.sample_timeout_s,
-            )[0]
+            weights = self._first_answer("get_weights", [rank + 1])
         elif isinstance(source, torch.nn.Module):
             weights = {DEFAULT_POLICY_ID: _state(source)}
         elif isinstance(source, dict):
@@ -690,7 +1083,7 @@ class EnvRunnerGroup:
             connector_states = []
             if self._group is not None:
                 connector_states.extend(
-                    self._group.foreach_worker(
+                    self._foreach_remote(
                         "get_connector_state", timeout_seconds=self.config.sample_timeout_s
                     )
                 )
@@ -708,10 +1101,10 @@ class EnvRunnerGroup:
             self._local.set_connector_state(merged)
         if self._group is not None:
             ranks = self._ranks(env_runner_indices_to_update, "env_runner_indices_to_update")
-            self._group.foreach_worker(
+            self._foreach_remote(
                 "set_connector_state",
                 kwargs={"state": merged},
-                remote_worker_ids=ranks,
+                ranks=ranks,
                 timeout_seconds=self.config.sample_timeout_s,
             )
             self._register_restore_state()
@@ -745,64 +1138,116 @@ class EnvRunnerGroup:
 
     # ------------------------------------------------------------------ sampling
     def sample_async(self, **kwargs: Any) -> GroupHandle | None:
-        """Start ``sample(**kwargs)`` on every healthy remote runner; collect with
-        ``collect_samples``. None when there is no remote runner."""
+        """Start ``sample(**kwargs)`` on every remote runner in service; collect the
+        batches with ``collect_samples``. None when there is no remote runner.
+
+        First brings back runners that were restarted since the last round (a probe that
+        does not wait for restarts still under way). With no runner in service it waits
+        for the first restart under way to finish (up to ``env_runner_health_probe_timeout_s``
+        + 180 s); with none coming back it raises ``WorkerDiedError``.
+        """
         if self._group is None:
             return None
-        ranks = self._group.healthy_worker_ids()
+        timeout = self.config.env_runner_health_probe_timeout_s
+        self._probe(timeout, wait=False)
+        ranks = self._in_service()
         if not ranks:
-            if not self._group.wait_healthy(self._wait_healthy_s()):
-                raise WorkerDiedError(
-                    self._group.name,
-                    -1,
-                    "sample",
-                    "",
-                    "NoHealthyRunner",
-                    "no healthy env runner is left to sample with",
-                )
-            ranks = self._group.healthy_worker_ids()
-        return self._group.call("sample", ranks=ranks, **kwargs)
+            ranks = self._wait_for_any(timeout + RESTART_WAIT_S)
+        if not ranks:
+            health = self._group.health()
+            raise WorkerDiedError(
+                self._group.name,
+                -1,
+                "sample",
+                "",
+                "NoHealthyRunner",
+                "no remote env runner is in service to sample with (runner health: "
+                + ", ".join(f"{r + 1}: {h.value}" for r, h in health.items())
+                + f"; {self.num_remote_env_runner_restarts()} restarts so far)",
+            )
+        called, refs, actors, down = runner_calls.start(self._group, "sample", ranks, kwargs)
+        for r in down:
+            self._health.take_out(r)
+        with self._health.lock:
+            for ref, actor in zip(refs, actors):
+                self._sample_actors[ref] = actor
+        return GroupHandle(self._group, "sample", called, refs)
 
-    def _wait_healthy_s(self) -> float:
-        return self.config.env_runner_health_probe_timeout_s + 60.0
+    def _wait_for_any(self, timeout: float) -> list[int]:
+        """Every runner is out: wait until one is back in service (probing as restarts
+        finish) while a restart is under way, up to ``timeout``; the ranks in service."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._probe(self.config.env_runner_health_probe_timeout_s, wait=False)
+            ranks = self._in_service()
+            left = deadline - time.monotonic()
+            if ranks or left <= 0:
+                return ranks
+            health = self._group.health()
+            restarting = [r for r, h in health.items() if h == WorkerHealth.RESTARTING]
+            if not restarting:
+                # None under way: a full probe restarts what the policy allows and waits.
+                self._probe(self.config.env_runner_health_probe_timeout_s, wait=True)
+                ranks = self._in_service()
+                health = self._group.health()
+                if ranks or not any(h == WorkerHealth.RESTARTING for h in health.values()):
+                    return ranks
+                continue
+            for r in restarting:  # back here as soon as one of them is healthy again
+                if self._group.wait_healthy(min(left, 0.25), ranks=[r]):
+                    break
 
     def collect_samples(
         self, handle: GroupHandle | None, **local_kwargs: Any
     ) -> list[dict[str, Any]]:
-        """The batches of a ``sample_async`` round, within ``sample_timeout_s``.
+        """The batches of a ``sample_async`` round, one per runner that delivered.
 
-        A runner that died during the round is left out (it is being restarted) when the
-        config tolerates failures; with no remote runners the local runner samples.
+        Waits up to ``sample_timeout_s``. A runner whose ``sample`` raised or whose process
+        died is taken out of service and left out of the round (restarted per config);
+        its error raises only when the config neither restarts nor ignores failed
+        runners. A runner still sampling at the timeout is left out and taken out of
+        service, and restarted when the config restarts runners (RLlib drops its batch
+        too); a stall does not raise. With no remote runners the local runner samples.
         """
         if handle is None:
             if self._local is None:
                 raise RuntimeError("no env runner to sample with")
             return [self._local.sample(**local_kwargs)]
         timeout = self.config.sample_timeout_s
-        ready, _ = ray.wait(handle.refs, num_returns=len(handle.refs), timeout=timeout)
-        done = set(ready)
-        pending = [r for r, ref in zip(handle.ranks, handle.refs) if ref not in done]
-        if pending:
-            raise GroupTimeoutError(
-                self._group.name,
-                "sample",
-                pending,
-                timeout,
-                f"env runner ids {[r + 1 for r in pending]} still sampling after "
-                f"sample_timeout_s={timeout}",
-            )
-        out = []
-        for rank, ref in zip(handle.ranks, handle.refs):
-            try:
-                out.append(GroupHandle(self._group, "sample", [rank], [ref]).wait(timeout)[0])
-            except WorkerDiedError:
-                if not self._fault_tolerant:
-                    raise
-                logger.warning("env runner %d died while sampling; it is left out", rank + 1)
-        return out
+        with self._health.lock:
+            actors = [self._sample_actors.pop(ref, None) for ref in handle.refs]
+        rnd = runner_calls.collect(
+            self._group, "sample", handle.ranks, handle.refs, actors, timeout
+        )
+        for rank, ref, actor in rnd.pending:
+            self._runner_stalled(rank, ref, actor, timeout)
+        rnd.pending = []
+        self._settle(rnd)
+        return [v for _, v in rnd.values]
+
+    def _runner_stalled(self, rank: int, ref: ray.ObjectRef, actor: Any, timeout: float) -> None:
+        """``rank`` is still sampling after ``sample_timeout_s``: drop its batch, take it out
+        of service, and restart it if the config restarts runners."""
+        restart = self.config.restart_failed_env_runners and actor is not None
+        logger.warning(
+            "env runner %d still sampling after sample_timeout_s=%s: its batch is dropped "
+            "and it is %s",
+            rank + 1,
+            timeout,
+            "restarted" if restart else "out of service until it answers a probe",
+        )
+        dropped = self._health.take_out(rank)
+        if dropped:
+            logger.warning("env runner %d: %d async requests dropped with it", rank + 1, dropped)
+        if restart:
+            self._replace(rank, actor)
+        else:
+            with self._health.lock:
+                self._health.busy[rank] = ref
 
     def sample(self, **kwargs: Any) -> list[dict[str, Any]]:
-        """One batch per healthy remote runner (or from the local runner if there are none)."""
+        """One batch per remote runner in service (or from the local runner if there are
+        none); failed and stalled runners are left out as ``collect_samples`` says."""
         return self.collect_samples(self.sample_async(**kwargs), **kwargs)
 
     # ------------------------------------------------------------------ lifecycle
@@ -819,12 +1264,12 @@ class EnvRunnerGroup:
                 "(EnvRunner.create_group(config).launch(...)); raw Ray actor handles cannot "
                 "be adopted because a group owns its workers' health and restarts"
             )
-        if "sample" not in new_remote_workers._methods:
+        if not hasattr(new_remote_workers, "sample"):
             raise TypeError("new_remote_workers: the group's workers are not EnvRunners")
         self._close_sender()
         if self._group is not None and self._group is not new_remote_workers:
             self._group.shutdown(force=True)
-        self._group = new_remote_workers
+        self._adopt(new_remote_workers)
         from dataclasses import replace
 
         self.config = replace(self.config, num_env_runners=new_remote_workers.world_size)
@@ -836,12 +1281,19 @@ class EnvRunnerGroup:
             self._local.stop()
         self._close_sender()
         if self._group is not None:
-            try:
-                self._group.foreach_worker("stop", timeout_seconds=10)
-            except Exception as e:  # noqa: BLE001 - stopping anyway
-                logger.warning("stopping env runners: %s", e)
+            # Every runner whose process is up, in service or not (RLlib stops them all),
+            # except those stuck in a call: they would not answer; shutdown ends them.
+            ranks = [r for r in range(self._group.world_size) if not self._health.still_busy(r)]
+            rnd = self._call_remote("stop", ranks, None, 10.0)
+            for rank, err in rnd.errors:
+                logger.info("stopping env runner %d: %s", rank + 1, str(err).splitlines()[0])
+            if self._remove_hook is not None:
+                self._remove_hook()
+                self._remove_hook = None
             self._group.shutdown(force=True)
             self._group = None
+            self._health.reset()
+            self._sample_actors.clear()
 
     def _close_sender(self) -> None:
         if self._sender is not None:
@@ -859,15 +1311,34 @@ class EnvRunnerGroup:
         )
 
 
+_COMING_BACK = (WorkerHealth.UNHEALTHY, WorkerHealth.RESTARTING)
+# With every runner out, how long ``sample`` waits for a restart under way to finish
+# (beyond the probe timeout): a new runner process starts in ~1 s on an idle machine.
+RESTART_WAIT_S = 180.0
+
+
+def _check_timeout(timeout_seconds: float | None) -> None:
+    if timeout_seconds is not None and (
+        isinstance(timeout_seconds, bool)
+        or not isinstance(timeout_seconds, (int, float))
+        or timeout_seconds < 0
+    ):
+        raise ValueError(f"timeout_seconds must be >= 0 or None, got {timeout_seconds!r}")
+
+
+def _tag_set(tags: str | list[str] | tuple[str, ...] | None) -> set[str | None] | None:
+    if tags is None:
+        return None
+    if isinstance(tags, str):
+        return {tags}
+    if isinstance(tags, (list, tuple, set)) and all(isinstance(t, str) for t in tags):
+        return set(tags) or None
+    raise TypeError(f"tags must be a str, a list of str or None, got {tags!r}")
+
+
 # Functions shipped to runners (module level so they pickle by reference).
 def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in module.state_dict().items()}
-
-
-def _call_local(runner: EnvRunner, func: Any, kwargs: dict[str, Any] | None) -> Any:
-    if isinstance(func, str):
-        return getattr(runner, func)(**(kwargs or {}))
-    return func(runner, **(kwargs or {}))
 
 
 def _with_worker_id(runner: EnvRunner, func: Any, kwargs: dict[str, Any]) -> Any:
@@ -903,6 +1374,11 @@ def _add_policy(runner: EnvRunner, policy_id: str, spec: dict[str, Any]) -> None
 
 def _apply_state(runner: EnvRunner, state: dict[str, Any]) -> None:
     runner.set_state(state)
+
+
+def _restore_runner(runner: EnvRunner, state: dict[str, Any], global_vars: dict[str, Any]) -> None:
+    runner.set_state(state)
+    runner.global_vars = dict(global_vars)
 
 
 def _set_global_vars(runner: EnvRunner, global_vars: dict[str, Any]) -> None:

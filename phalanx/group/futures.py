@@ -2,120 +2,57 @@
 
 Both wrap plain Ray object refs (or ``ObjectRefGenerator`` for generator methods); a
 handle can be waited on with a timeout, polled with ``done()``, or awaited in asyncio.
+Both collect through the group's one result path (``group.collector``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from phalanx._base import trace as _trace
-from phalanx._base.errors import GroupTimeoutError, WorkerDiedError, WorkerError
 from phalanx._base.timing import reduce_durations
-
-if TYPE_CHECKING:
-    from phalanx.group.group import WorkerGroup
-
-
-def _unwrap(group: str, method: str, rank: int, err: BaseException) -> BaseException:
-    """Turn Ray's wrappers into phalanx errors naming group, rank and method."""
-    if isinstance(err, RayTaskError):
-        cause = getattr(err, "cause", None)
-        if isinstance(cause, WorkerError):
-            return cause
-        if isinstance(cause, RayActorError):
-            err = cause
-        else:
-            return WorkerError(
-                group,
-                rank,
-                method,
-                str(err),
-                type(cause).__name__ if cause else "RayTaskError",
-                str(cause),
-            )
-    if isinstance(err, RayActorError):
-        return WorkerDiedError(group, rank, method, "", type(err).__name__, _short(err))
-    return err
-
-
-def _short(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
-
-
-def get_results(
-    group: str, method: str, ranks: list[int], refs: list[Any], timeout: float | None
-) -> list[Any]:
-    """``ray.get`` with errors that name the rank, and a timeout that names the stragglers."""
-    plain = [r for r in refs if not isinstance(r, ray.ObjectRefGenerator)]
-    if len(plain) == len(refs):
-        try:
-            return ray.get(refs, timeout=timeout)
-        except GetTimeoutError:
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-            done = set(ready)
-            pending = [rk for rk, r in zip(ranks, refs) if r not in done]
-            raise GroupTimeoutError(group, method, pending, timeout) from None
-        except (RayTaskError, RayActorError):
-            pass  # find the first failing rank below, in rank order
-        # Fetch every rank (so no error goes unreported as "unhandled"), raise the first.
-        first: BaseException | None = None
-        results = []
-        for rank, ref in zip(ranks, refs):
-            try:
-                results.append(ray.get(ref, timeout=timeout))
-            except (RayTaskError, RayActorError) as e:
-                first = first or _unwrap(group, method, rank, e)
-        if first is not None:
-            raise first
-        return results
-    # Generator methods: each rank's items, in order.
-    deadline = None if timeout is None else time.monotonic() + timeout
-    out = []
-    for rank, gen in zip(ranks, refs):
-        items = []
-        for item_ref in gen:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                items.append(ray.get(item_ref, timeout=left))
-            except GetTimeoutError:
-                raise GroupTimeoutError(group, method, [rank], timeout) from None
-            except (RayTaskError, RayActorError) as e:
-                raise _unwrap(group, method, rank, e) from None
-        out.append(items)
-    return out
+from phalanx.group.collect import Collector
 
 
 class GroupHandle:
     """The result of one call on a group (RLinf's handle).
 
-    ``wait()`` returns one result per called rank, in rank order.
+    ``wait()`` returns one result per called rank, in rank order (without the ranks in
+    ``skipped``: left out because they were dead, with ``ignore_failures``).
     """
 
     __slots__ = ("group", "method", "ranks", "refs", "skipped", "_durations")
 
-    def __init__(self, group: WorkerGroup, method: str, ranks: list[int], refs: list[Any]):
+    def __init__(self, group: Any, method: str, ranks: list[int], refs: list[Any]):
         self.group = group
         self.method = method
         self.ranks = ranks
         self.refs = refs
-        # Ranks left out because they were dead (fault tolerance with ignore_failures).
         self.skipped: list[int] = []
         self._durations: dict[str, float] | None = None
 
     def wait(self, timeout: float | None = None) -> list[Any]:
-        """Block until every called rank returned (or ``timeout`` seconds passed)."""
+        """Block until every called rank returned (or ``timeout`` seconds passed).
+
+        ``timeout=0`` polls: the results if every rank finished, else a
+        ``GroupTimeoutError`` naming the ranks still running (no hang report is written).
+        A negative timeout is a ``ValueError``.
+        """
         if _trace.ON:
             with _trace.traced_wait(self):
-                return self.group._collect(self, timeout)
-        return self.group._collect(self, timeout)
+                return self._wait(timeout)
+        return self._wait(timeout)
+
+    def _wait(self, timeout: float | None) -> list[Any]:
+        values, dropped = self.group.collector.wait_all(self.method, self.ranks, self.refs, timeout)
+        if dropped:
+            self.skipped = sorted({*self.skipped, *dropped})
+        return values
 
     def done(self) -> bool:
         """True when every called rank has finished (successfully or not)."""
@@ -137,7 +74,10 @@ class GroupHandle:
     def consume_durations(self, reduce: str = "max") -> dict[str, float]:
         """Timer totals recorded by the called ranks since their last consume, reduced across ranks."""
         if self._durations is None:
-            per_rank = self.group._pop_durations(self.ranks)
+            actors = self.group.actors
+            per_rank = ray.get(
+                [actors[r]._px_pop_durations.remote() for r in self.ranks], timeout=60
+            )
             self._durations = reduce_durations(per_rank, reduce)
         return dict(self._durations)
 
@@ -147,11 +87,16 @@ class GroupHandle:
 
 @dataclass
 class MultiWorkerFuture:
-    """NeMo-RL's container of futures with the workers called and the workers to return from."""
+    """NeMo-RL's container of futures with the workers called and the workers to return from.
+
+    ``method`` names the call in errors (set by the group; for a future built from bare
+    refs the group looks it up).
+    """
 
     futures: list[Any]
     return_from_workers: list[int] | None = None
     called_workers: list[int] | None = None
+    method: str | None = None
 
     def _selected(self) -> list[tuple[int, Any]]:
         called = (
@@ -167,7 +112,7 @@ class MultiWorkerFuture:
 
     def get_results(
         self,
-        worker_group: WorkerGroup,
+        worker_group: Any,
         return_generators_as_proxies: bool = False,
         timeout: float | None = None,
     ) -> list[Any]:
@@ -181,14 +126,14 @@ class MultiWorkerFuture:
             return [f for _, f in selected]
         ranks = [w for w, _ in selected]
         refs = [f for _, f in selected]
-        name = getattr(worker_group, "name", "group")
-        try:
-            results = get_results(name, "<future>", ranks, refs, timeout)
-        except GroupTimeoutError as e:
-            hang = getattr(worker_group, "_hang_error", None)  # adds the stuck ranks' stacks
-            if hang is None:
-                raise
-            raise hang("<future>", ranks, refs, e.pending_ranks, e.timeout) from None
+        collector = getattr(worker_group, "collector", None)
+        if not isinstance(collector, Collector):
+            collector = Collector(None, None, name=getattr(worker_group, "name", "group"))
+        method = self.method or collector.label_of(self.futures)
+        results, _ = collector.wait_all(method, ranks, refs, timeout)
         if any(isinstance(r, ray.ObjectRefGenerator) for r in refs):
             return [item for items in results for item in items]
         return results
+
+
+__all__ = ["GroupHandle", "MultiWorkerFuture"]

@@ -23,19 +23,35 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import ray
 
 from phalanx._base.errors import GroupTimeoutError
 
-if TYPE_CHECKING:
-    from phalanx.group.futures import GroupHandle
-    from phalanx.group.group import WorkerGroup
-
 STACKS_TIMEOUT_S = 5.0
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _PYSPY_FRAME = re.compile(r"^\s+(\S+) \(([^)]+:\d+)\)$", re.MULTILINE)
+
+
+class Members(Protocol):
+    """What a report needs of a group: its name, actors and worker metadata (public API)."""
+
+    name: str
+
+    @property
+    def actors(self) -> list[Any]: ...
+
+    @property
+    def worker_metadata(self) -> list[dict[str, Any]]: ...
+
+
+class Watched(Protocol):
+    """A call the watchdog follows: its method, ranks and their Ray refs."""
+
+    method: str
+    ranks: list[int]
+    refs: list[Any]
 
 
 def hang_dir() -> str:
@@ -155,13 +171,14 @@ class HangTimeoutError(GroupTimeoutError):
 
 
 def collect_stacks(
-    group: WorkerGroup, ranks: list[int], timeout_s: float = STACKS_TIMEOUT_S
+    group: Members, ranks: list[int], timeout_s: float = STACKS_TIMEOUT_S
 ) -> dict[int, str]:
     """Python stacks of every thread of each rank's process, taken now."""
     refs = {}
+    actors = group.actors
     for r in ranks:
         try:
-            refs[r] = group._actors[r]._px_stacks.remote()
+            refs[r] = actors[r]._px_stacks.remote()
         except Exception as e:  # noqa: BLE001
             refs[r] = e
     out: dict[int, str] = {}
@@ -179,9 +196,10 @@ def collect_stacks(
     return out
 
 
-def _py_spy(group: WorkerGroup, rank: int) -> str:
+def _py_spy(group: Members, rank: int) -> str:
     exe = shutil.which("py-spy")
-    meta = group._worker_metadata[rank] if rank < len(group._worker_metadata) else {}
+    metas = group.worker_metadata
+    meta = metas[rank] if rank < len(metas) else {}
     pid = meta.get("pid")
     if not exe or not pid:
         return ""
@@ -200,11 +218,9 @@ def _py_spy(group: WorkerGroup, rank: int) -> str:
     return "(py-spy)\n" + (proc.stdout or proc.stderr)
 
 
-def build_report(
-    group: WorkerGroup, method: str, pending: list[int], elapsed_s: float
-) -> HangReport:
+def build_report(group: Members, method: str, pending: list[int], elapsed_s: float) -> HangReport:
     """Take the stacks of ``pending`` ranks and write the report file."""
-    meta = group._worker_metadata
+    meta = group.worker_metadata
     report = HangReport(
         group=group.name,
         method=method,
@@ -218,7 +234,7 @@ def build_report(
 
 
 def timeout_error(
-    group: WorkerGroup,
+    group: Members,
     method: str,
     pending: list[int],
     timeout: float,
@@ -245,20 +261,20 @@ class Watchdog:
     ``min(1, after_s / 4)`` seconds and only asks Ray whether a call is done.
     """
 
-    def __init__(self, group: WorkerGroup, after_s: float, stream: Any = None):
+    def __init__(self, group: Members, after_s: float, stream: Any = None):
         if isinstance(after_s, bool) or not isinstance(after_s, (int, float)) or after_s <= 0:
             raise ValueError(f"after_s must be a positive number of seconds, got {after_s!r}")
         self.group_ref = weakref.ref(group)
         self.after_s = float(after_s)
         self.stream = stream
         self.reports: list[HangReport] = []
-        self._calls: list[tuple[float, GroupHandle]] = []
+        self._calls: list[tuple[float, Watched]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="phalanx-watchdog", daemon=True)
         self._thread.start()
 
-    def track(self, handle: GroupHandle) -> None:
+    def track(self, handle: Watched) -> None:
         with self._lock:
             self._calls.append((time.monotonic(), handle))
 
@@ -295,7 +311,7 @@ class Watchdog:
                 self._calls[:0] = keep
 
 
-def _pending_ranks(handle: GroupHandle) -> list[int]:
+def _pending_ranks(handle: Watched) -> list[int]:
     refs = handle.refs
     if not all(isinstance(r, ray.ObjectRef) for r in refs):
         return [

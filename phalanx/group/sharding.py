@@ -24,16 +24,20 @@ def _check_int(value: Any, what: str) -> int:
 
 
 class NamedSharding:
-    """An N-dimensional arrangement of the ranks ``0..N-1`` with one name per axis.
+    """An N-dimensional arrangement of unique worker ranks with one name per axis.
 
     Example: ``NamedSharding([[0, 1], [2, 3]], ["dp", "tp"])`` is DP=2 x TP=2; rank 3 sits
-    at ``{"dp": 1, "tp": 1}`` and ``get_ranks(dp=0)`` is ``array([0, 1])``.
+    at ``{"dp": 1, "tp": 1}`` and ``get_ranks(dp=1)`` is the 1-D sharding of ranks
+    ``[2, 3]`` on axis ``tp``, as in NeMo-RL.
     """
 
     def __init__(self, layout: Sequence[Any] | np.ndarray, names: Sequence[str]) -> None:
         """Validate ``layout`` and ``names`` and precompute the rank and axis lookup tables.
 
-        Raises ValueError (TypeError for wrong types) naming ``layout`` or ``names``.
+        As in NeMo-RL, ranks must be unique integers (integral floats such as ``1.0`` are
+        accepted) and need not be ``0..N-1`` (a slice of a bigger layout is a valid
+        sharding). phalanx also rejects negative ranks and empty layouts. Raises ValueError
+        (TypeError for wrong name types) naming ``layout`` or ``names``.
         """
         if isinstance(names, str) or not isinstance(names, Sequence):
             raise TypeError(f"names must be a sequence of strings, got {names!r}")
@@ -52,24 +56,31 @@ class NamedSharding:
             raise ValueError(
                 f"layout must have at least one dimension and one rank, got {layout!r}"
             )
-        if array.dtype == np.bool_ or not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(f"layout must contain integer ranks, got dtype {array.dtype}")
+        if array.dtype == np.bool_ or not (
+            np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)
+        ):
+            raise ValueError(
+                f"layout: Layout must contain only integer rank IDs, got dtype {array.dtype}"
+            )
+        is_float = np.issubdtype(array.dtype, np.floating)
+        if is_float and not (np.all(np.isfinite(array)) and np.all(np.mod(array, 1) == 0)):
+            raise ValueError(
+                f"layout: Layout must contain only integer rank IDs, got {array.tolist()}"
+            )
         if array.ndim != len(names):
             raise ValueError(
-                f"names has {len(names)} entries {names} but layout has {array.ndim} "
-                f"dimensions (shape {array.shape}); give one name per dimension"
+                f"Number of dimensions in layout ({array.ndim}, shape {array.shape}) must "
+                f"match the number of names ({len(names)}: {names}); give one name per dimension"
             )
         array = array.astype(np.int64)
-        n = array.size
-        counts = np.bincount(array.ravel()[(array.ravel() >= 0) & (array.ravel() < n)], minlength=n)
-        if int(counts.sum()) != n or not np.all(counts == 1):
-            missing = np.flatnonzero(counts == 0).tolist()
-            duplicated = np.flatnonzero(counts > 1).tolist()
-            outside = sorted(set(array.ravel().tolist()) - set(range(n)))
-            raise ValueError(
-                f"layout must hold each rank 0..{n - 1} exactly once; missing {missing}, "
-                f"duplicated {duplicated}, out of range {outside}"
-            )
+        flat = array.ravel()
+        negative = sorted(set(flat[flat < 0].tolist()))
+        if negative:
+            raise ValueError(f"layout: ranks must be non-negative, got {negative}")
+        unique, counts = np.unique(flat, return_counts=True)
+        duplicated = unique[counts > 1].tolist()
+        if duplicated:
+            raise ValueError(f"layout: Duplicate ranks found in layout: {duplicated}")
         array.setflags(write=False)
 
         self._layout = array
@@ -77,7 +88,7 @@ class NamedSharding:
         self._axis_index = {name: i for i, name in enumerate(names)}
         self._shape = {name: int(size) for name, size in zip(names, array.shape)}
         # rank -> coordinates, filled once so lookups never search the layout.
-        self._coords: list[dict[str, int]] = [{} for _ in range(n)]
+        self._coords: dict[int, dict[str, int]] = {}
         for index in np.ndindex(array.shape):
             self._coords[int(array[index])] = {name: int(i) for name, i in zip(names, index)}
 
@@ -119,19 +130,32 @@ class NamedSharding:
         try:
             return self._axis_index[name]
         except (KeyError, TypeError):
-            raise ValueError(f"unknown axis name {name!r}; axes are {self._names}") from None
+            raise ValueError(
+                f"Invalid axis name: {name!r}. Valid names are: {self._names}"
+            ) from None
 
     def get_axis_size(self, name: str) -> int:
         """Size of axis ``name``; ValueError if there is no such axis."""
         self.get_axis_index(name)
         return self._shape[name]
 
+    def contains_worker_id(self, worker_id: int) -> bool:
+        """Whether ``worker_id`` is one of this sharding's ranks."""
+        return _check_int(worker_id, "worker_id") in self._coords
+
     def get_worker_coords(self, rank: int) -> dict[str, int]:
-        """Coordinates of ``rank`` as axis name -> index (a fresh dict)."""
+        """Coordinates of ``rank`` as axis name -> index (a fresh dict).
+
+        A rank that is not in the layout is a ValueError, as in NeMo-RL.
+        """
         rank = _check_int(rank, "rank")
-        if not 0 <= rank < self.size:
-            raise ValueError(f"rank {rank} is not in this sharding (ranks 0..{self.size - 1})")
-        return dict(self._coords[rank])
+        coords = self._coords.get(rank)
+        if coords is None:
+            raise ValueError(
+                f"Worker ID {rank} not found in sharding layout (its ranks are "
+                f"{sorted(self._coords)[:16]}{'...' if self.size > 16 else ''})"
+            )
+        return dict(coords)
 
     def _index(self, coords: dict[str, Any], strict: bool) -> tuple[Any, ...] | None:
         """Numpy index for the given partial coordinates; None if out of range and not strict."""
@@ -143,24 +167,28 @@ class NamedSharding:
                 if not strict:
                     return None
                 raise IndexError(
-                    f"coordinate {name}={value} is out of range for axis {name!r} "
-                    f"of size {self._layout.shape[axis]}"
+                    f"Index {value} is out of bounds for axis {name!r} with size "
+                    f"{self._layout.shape[axis]}"
                 )
             index[axis] = value
         return tuple(index)
 
-    def get_ranks(self, **coords: int) -> np.ndarray | int:
-        """Ranks left after fixing the given axes: an int if all are fixed, else an array.
+    def get_ranks(self, **coords: int) -> NamedSharding | int:
+        """The ranks left after fixing the given axes, as NeMo-RL returns them.
 
-        The array keeps the unfixed axes in layout order. Unknown axis -> ValueError;
-        coordinate out of range -> IndexError.
+        All axes fixed: the rank, an ``int``. Otherwise a ``NamedSharding`` over the axes
+        not fixed (in layout order) holding those ranks; with no coordinates, a sharding
+        equal to this one. Unknown axis -> ValueError; coordinate out of range ->
+        IndexError. ``get_ranks_by_coord`` gives the same ranks as a sorted flat list.
         """
         index = self._index(coords, strict=True)
         assert index is not None
         selected = self._layout[index]
         if selected.ndim == 0:
             return int(selected)
-        return selected
+        fixed = {self._axis_index[name] for name in coords}
+        remaining = [name for i, name in enumerate(self._names) if i not in fixed]
+        return NamedSharding(selected, remaining)
 
     def get_ranks_by_coord(self, **coords: int) -> list[int]:
         """Sorted flat list of the ranks matching the partial coordinates.
@@ -186,4 +214,5 @@ class NamedSharding:
         return (type(self), (self._layout.tolist(), list(self._names)))
 
     def __repr__(self) -> str:
-        return f"NamedSharding(layout={self._layout.tolist()}, names={self._names})"
+        shape = ", ".join(str(self._shape[n]) for n in self._names)
+        return f"NamedSharding(shape=({shape}), names={self._names}, layout={self._layout})"

@@ -68,9 +68,12 @@ class HFGenerationWorker(Worker, GenerationInterface):
     """One generation rank running Hugging Face ``generate`` on a full copy of the model.
 
     Config: ``model_name``, ``temperature`` (1.0), ``top_p`` (1.0), ``max_new_tokens`` (16),
-    ``stop_token_ids`` (default: the tokenizer's eos), ``seed``, ``precision``.
+    ``stop_token_ids`` (default: the tokenizer's eos), ``seed``, ``precision``,
+    ``num_threads`` (default: every core of the machine).
     Its model is ``self.model``, so phalanx's weight senders refit it directly.
     """
+
+    read_only_weights = True  # inference only: same-node sends give it views, not copies
 
     def __init__(self, config: dict[str, Any], tokenizer: Any) -> None:
         super().__init__()
@@ -88,9 +91,13 @@ class HFGenerationWorker(Worker, GenerationInterface):
             self.device
         )
         self.model.eval()
+        # Phases of an RL step do not overlap, so generation may use every core (a Ray actor
+        # with one CPU otherwise gets a single torch thread).
+        threads = self.cfg.get("num_threads") or os.cpu_count() or 1
+        torch.set_num_threads(int(threads))
         self.stop_token_ids = list(self.cfg.get("stop_token_ids") or [tokenizer.eos_token_id])
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
-        self._gen = torch.Generator(device="cpu").manual_seed(
+        self._gen = torch.Generator(device=self.device).manual_seed(
             int(self.cfg.get("seed", 0)) * 1009 + self.rank
         )
         self.weights_updates = 0
@@ -101,6 +108,13 @@ class HFGenerationWorker(Worker, GenerationInterface):
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+        """Sample (or greedily decode) one response per row.
+
+        A hand-written decoding loop over the model's KV cache rather than HF
+        ``generate``: identical prompts (a GRPO group's samples) are prefilled once and
+        their cache rows copied, only the chosen tokens' log-probs are kept (no
+        ``[B, new, V]`` logits), and rows that finished are dropped from the batch.
+        """
         if "input_ids" not in data or "input_lengths" not in data:
             raise ValueError("generate: data needs 'input_ids' and 'input_lengths'")
         ids, lengths = data["input_ids"], data["input_lengths"].long()
@@ -112,52 +126,105 @@ class HFGenerationWorker(Worker, GenerationInterface):
                 f"max_position_embeddings {self.max_positions}"
             )
         pad = self.tokenizer.pad_token_id
-        # HF batched generation wants left padding.
-        left = torch.full((B, P), pad, dtype=torch.long)
-        attn = torch.zeros((B, P), dtype=torch.long)
-        for i in range(B):
-            n = int(lengths[i])
-            left[i, P - n :] = ids[i, :n]
-            attn[i, P - n :] = 1
-        # Sampling draws from torch's global RNG; seed it from this worker's own stream
-        # so that runs are reproducible.
-        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=self._gen)))
-        out = self.model.generate(
-            input_ids=left.to(self.device),
-            attention_mask=attn.to(self.device),
-            do_sample=not greedy,
-            temperature=None if greedy else float(self.cfg.get("temperature", 1.0)),
-            top_p=None if greedy else float(self.cfg.get("top_p", 1.0)),
-            top_k=None,
-            max_new_tokens=max_new,
-            eos_token_id=self.stop_token_ids,
-            pad_token_id=pad,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
-        new = out.sequences[:, P:].cpu()
-        logits = torch.stack(out.logits, dim=1).float().cpu()  # [B, new, V]
-        new_lp = torch.log_softmax(logits, -1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
+        new, new_lp, gen_lengths = self._decode(ids, lengths, max_new, greedy)
         total = P + max_new
         output_ids = torch.full((B, total), pad, dtype=torch.long)
         logprobs = torch.zeros((B, total), dtype=torch.float32)
-        gen_lengths = torch.zeros(B, dtype=torch.long)
-        stops = torch.tensor(self.stop_token_ids)
         for i in range(B):
-            n = int(lengths[i])
-            row = new[i]
-            hit = torch.isin(row, stops).nonzero()
-            g = int(hit[0]) + 1 if len(hit) else row.shape[0]
+            n, g = int(lengths[i]), int(gen_lengths[i])
             output_ids[i, :n] = ids[i, :n]
-            output_ids[i, n : n + g] = row[:g]
+            output_ids[i, n : n + g] = new[i, :g]
             logprobs[i, n : n + g] = new_lp[i, :g]
-            gen_lengths[i] = g
         return BatchedDataDict(
             output_ids=output_ids,
             logprobs=logprobs,
             generation_lengths=gen_lengths,
             unpadded_sequence_lengths=lengths + gen_lengths,
         )
+
+    def _decode(
+        self, ids: torch.Tensor, lengths: torch.Tensor, max_new: int, greedy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """New tokens [B, max_new], their log-probs, and generated lengths [B]."""
+        B, P = ids.shape
+        dev = self.device
+        pad = self.tokenizer.pad_token_id
+        # Rows with the same prompt share one prefill.
+        keyed = ids.masked_fill(torch.arange(P)[None] >= lengths[:, None], -1)
+        uniq, inverse = torch.unique(
+            torch.cat([keyed, lengths[:, None]], 1), dim=0, return_inverse=True
+        )
+        u_len = uniq[:, -1]
+        left = torch.full((len(uniq), P), pad, dtype=torch.long)
+        attn = torch.zeros((len(uniq), P), dtype=torch.long)
+        for j in range(len(uniq)):  # left padding: every row's last prompt token at P - 1
+            n = int(u_len[j])
+            left[j, P - n :] = uniq[j, :n]
+            attn[j, P - n :] = 1
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=left.to(dev),
+            attention_mask=attn.to(dev),
+            position_ids=pos.to(dev),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = out.past_key_values
+        inv = inverse.to(dev)
+        cache.batch_select_indices(inv)
+        logits = out.logits[:, -1].float()[inv]
+        attn = attn.to(dev)[inv]
+        next_pos = lengths.to(dev).clone()
+
+        new = torch.full((B, max_new), pad, dtype=torch.long)
+        new_lp = torch.zeros((B, max_new), dtype=torch.float32)
+        gen_lengths = torch.zeros(B, dtype=torch.long)
+        stops = torch.tensor(self.stop_token_ids, device=dev)
+        rows = torch.arange(B, device=dev)  # original row of each row in the batch
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        for t in range(max_new):
+            tok = self._choose(logits, greedy)
+            lp = torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
+            live = ~done
+            r = rows[live].cpu()
+            new[r, t] = tok[live].cpu()
+            new_lp[r, t] = lp[live].cpu()
+            gen_lengths[r] = t + 1
+            done = done | torch.isin(tok, stops)
+            if t == max_new - 1 or bool(done.all()):
+                break
+            if int(done.sum()) * 4 >= len(done):  # drop finished rows once a quarter are
+                keep = (~done).nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                rows, tok, attn = rows[keep], tok[keep], attn[keep]
+                next_pos, done = next_pos[keep], done[keep]
+            tok = tok.masked_fill(done, pad)
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
+            out = self.model(
+                input_ids=tok[:, None],
+                attention_mask=attn,
+                position_ids=next_pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            next_pos = next_pos + 1
+            logits = out.logits[:, -1].float()
+        return new, new_lp, gen_lengths
+
+    def _choose(self, logits: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """The next token per row: argmax, or a temperature / top-p sample."""
+        if greedy:
+            return logits.argmax(-1)
+        scaled = logits / float(self.cfg.get("temperature", 1.0))
+        top_p = float(self.cfg.get("top_p", 1.0))
+        if top_p < 1.0:
+            sorted_l, order = scaled.sort(-1, descending=True)
+            cum = sorted_l.softmax(-1).cumsum(-1)
+            drop = cum - sorted_l.softmax(-1) > top_p  # keep the smallest prefix reaching p
+            sorted_l = sorted_l.masked_fill(drop, float("-inf"))
+            scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_l)
+        probs = scaled.softmax(-1)
+        return torch.multinomial(probs, 1, generator=self._gen).squeeze(-1)
 
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
         self.model.to(self.device)
@@ -206,8 +273,7 @@ class HFGenerationWorker(Worker, GenerationInterface):
             )
         layout = handle["layout"]
         if handle["kind"] == "shm":
-            cache = self.__dict__.setdefault("_shm_cache", {})
-            return self._apply(layout, open_views(handle["name"], layout, cache))
+            return self._apply(layout, open_views(self, handle["name"], layout))
         flat = open_handle(handle)
         ok = self._apply(layout, views(flat, layout))
         torch.cuda.synchronize()
@@ -222,14 +288,10 @@ class HFGenerationWorker(Worker, GenerationInterface):
 
     def init_collective(self, ip: str, port: int, world_size: int, rank_offset: int = 1) -> bool:
         """Join the refit group as rank ``rank_offset + self.rank`` (the policy is rank 0)."""
-        import datetime
-
-        import torch.distributed as dist
-
+        from phalanx.comm.process_group import join_store
         from phalanx.weights import new_process_group
 
-        timeout = datetime.timedelta(seconds=300)
-        store = dist.TCPStore(ip, port, world_size, False, timeout=timeout)
+        store = join_store(ip, port, 300.0, world_size)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self._refit_store = store
         self.model_update_group = new_process_group(

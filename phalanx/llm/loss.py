@@ -8,8 +8,8 @@ losses are *sums* over the micro-batch's valid tokens divided by ``global_valid_
 that summing the micro-batch losses of every rank gives the mean over the global batch,
 whatever the sharding and micro-batching.
 
-Data keys: ``input_ids`` [B, T]; ``token_mask`` [B, T] (1 where a token is trained on);
-``sample_mask`` [B] (0 drops a sample); the PG loss also reads ``advantages`` ([B] or
+Data keys: ``input_ids`` [B, T]; ``token_mask`` [B, T] (1 where a token is trained on;
+without it every token counts, as in NeMo-RL); ``sample_mask`` [B] (0 drops a sample); the PG loss also reads ``advantages`` ([B] or
 [B, T]), ``prev_logprobs`` [B, T] and ``reference_policy_logprobs`` [B, T] (optional).
 """
 
@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from phalanx.llm.logprobs import entropy_sum
+from phalanx.llm.logprobs import token_logprobs as _chunked_token_logprobs
 
 
 class LossType(enum.Enum):
@@ -42,25 +45,31 @@ class LossFunction(Protocol):
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """Log-prob of each next token: [B, T-1] from logits [B, T, V] and ids [B, T]."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    """Log-prob of each next token: [B, T-1] from logits [B, T, V] and ids [B, T].
+
+    Computed in chunks of positions, keeping only the chosen tokens (``phalanx.llm.logprobs``).
+    """
+    return _chunked_token_logprobs(logits, input_ids)
 
 
 def valid_token_mask(data: dict[str, Any]) -> torch.Tensor:
-    """[B, T-1] mask of the predicted tokens that count (token_mask * sample_mask)."""
-    mask = data["token_mask"][:, 1:].float()
+    """[B, T-1] mask of the predicted tokens that count (token_mask * sample_mask).
+
+    Without ``token_mask`` every predicted token counts.
+    """
+    ids = data["input_ids"]
+    if "token_mask" in data:
+        mask = data["token_mask"][:, 1:].float()
+    else:
+        mask = torch.ones(ids.shape[0], max(ids.shape[1] - 1, 0), device=ids.device)
     if "sample_mask" in data:
-        mask = mask * data["sample_mask"].float().unsqueeze(-1)
+        mask = mask * data["sample_mask"].float().to(mask.device).unsqueeze(-1)
     return mask
 
 
 def masked_entropy_sum(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sum over valid positions of the policy's entropy (a diagnostic, not differentiated)."""
-    with torch.no_grad():
-        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-        ent = -(logp.exp() * logp).sum(-1)
-        return (ent * mask).sum()
+    return entropy_sum(logits[:, :-1], mask)
 
 
 class NLLLoss:

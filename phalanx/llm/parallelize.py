@@ -17,6 +17,7 @@ sequences, which keeps HF's masks and rotary positions unchanged).
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -31,6 +32,8 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+
+from phalanx.llm.policy_config import ConfigError
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -53,7 +56,7 @@ def check_tp_size(config: Any, tp: int) -> None:
         ("intermediate_size", inter),
     ):
         if value is not None and value % tp:
-            raise ValueError(
+            raise ConfigError(
                 f"dtensor_cfg.tensor_parallel_size={tp} does not divide the model's {name}={value}"
             )
 
@@ -140,10 +143,55 @@ def apply_tp(model: torch.nn.Module, tp_mesh: DeviceMesh, sequence_parallel: boo
     # Everything outside the decoder layers is replicated over tp (tied weights kept tied).
     tied = _tied_output_embedding(model)
     layer_ids = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
+    _replicate_rest(model, tp_mesh, layer_ids)
+    if tied is not None:
+        out, emb = tied
+        out.weight = emb.weight
+
+
+def _replicate_rest(model: torch.nn.Module, tp_mesh: DeviceMesh, skip: set[int]) -> None:
+    """Replicate over tp every module whose own parameters are not DTensors yet."""
     for module in list(model.modules()):
-        own = [p for p in module.parameters(recurse=False) if id(p) not in layer_ids]
+        own = [p for p in module.parameters(recurse=False) if id(p) not in skip]
         if own and not any(isinstance(p, DTensor) for p in own):
             parallelize_module(module, tp_mesh, _Replicated())
+
+
+def load_parallel_plan(plan: dict[str, Any] | str) -> dict[str, ParallelStyle]:
+    """A tensor-parallel plan: a dict of module name (``*`` wildcards allowed) ->
+    ``ParallelStyle``, or a dotted path to such a dict or to a function returning one
+    (NeMo-RL's ``dtensor_cfg.custom_parallel_plan``)."""
+    obj: Any = plan
+    if isinstance(plan, str):
+        module, _, name = plan.rpartition(".")
+        try:
+            obj = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ValueError(
+                f"dtensor_cfg.custom_parallel_plan: cannot import {plan!r} ({e})"
+            ) from None
+        if callable(obj) and not isinstance(obj, dict):
+            obj = obj()
+    if not isinstance(obj, dict) or not all(
+        isinstance(k, str) and isinstance(v, ParallelStyle) for k, v in obj.items()
+    ):
+        raise ValueError(
+            f"dtensor_cfg.custom_parallel_plan {plan!r} must be (or name, or return) a dict of "
+            f"module name -> torch ParallelStyle, got {type(obj).__name__}"
+        )
+    return obj
+
+
+def apply_custom_plan(
+    model: torch.nn.Module, tp_mesh: DeviceMesh, plan: dict[str, Any] | str
+) -> None:
+    """Shard ``model`` over ``tp_mesh`` with a user's plan (whole-model module names);
+    modules the plan leaves out are replicated, and tied embeddings stay tied."""
+    styles = load_parallel_plan(plan)
+    check_tp_size(model.config, tp_mesh.size())
+    tied = _tied_output_embedding(model)
+    parallelize_module(model, tp_mesh, styles)
+    _replicate_rest(model, tp_mesh, set())
     if tied is not None:
         out, emb = tied
         out.weight = emb.weight

@@ -1,8 +1,13 @@
 """The driver-side ``Policy``: a group of ``DTensorPolicyWorker`` called as one model.
 
+NeMo-RL's ``Policy(cluster, config, tokenizer)`` on a ``RayVirtualCluster`` starts one
+worker per bundle; on a ``px.Cluster`` it starts ``num_workers`` workers. Ranks sit on a
+(pipeline=1, data, context, tensor)-parallel grid, as NeMo-RL's sharding annotations.
 Batches are split by ``BatchedDataDict.shard_by_batch_size`` (global batch by global batch,
-so every rank sees its part of each global batch) and dispatched with the group's
-``run_all_workers_sharded_data`` along the ``data_parallel`` axis.
+so every rank sees its part of each global batch; with ``dynamic_batching`` sorted by length
+and cut by token budget, with ``sequence_packing`` bin-packed) and dispatched with
+``run_all_workers_sharded_data`` along the ``data_parallel`` axis; log-probs come back in
+the caller's order.
 """
 
 from __future__ import annotations
@@ -17,34 +22,44 @@ from phalanx.data import BatchedDataDict
 from phalanx.group.group import RayWorkerGroup
 from phalanx.group.sharding import NamedSharding
 from phalanx.llm.loss import LossFunction
+from phalanx.llm.parallelize import load_parallel_plan
+from phalanx.llm.policy_config import (
+    ConfigError,
+    check_policy_config,
+    dynamic_batching_enabled,
+    sequence_packing_enabled,
+)
 from phalanx.llm.policy_worker import check_parallel_config
 from phalanx.resources.cluster import Cluster
 from phalanx.resources.placement import NodePlacement
 from phalanx.resources.virtual_cluster import RayVirtualCluster
 from phalanx.worker.builder import RayWorkerBuilder
 
+PP_AXIS = "pipeline_parallel"
 DP_AXIS = "data_parallel"
 CP_AXIS = "context_parallel"
 TP_AXIS = "tensor_parallel"
+_REPLICATED = [CP_AXIS, TP_AXIS, PP_AXIS]
 
 
 def _sharding(world_size: int, tp: int, cp: int) -> NamedSharding:
-    """Ranks on a (data, context, tensor)-parallel grid, as the workers' device mesh."""
-    if world_size % (tp * cp):
-        raise ValueError(
+    """Ranks on a (pipeline, data, context, tensor)-parallel grid, as NeMo-RL lays them out
+    (pipeline size 1: phalanx has no pipeline parallelism)."""
+    if world_size < tp * cp or world_size % (tp * cp):
+        raise ConfigError(
             f"dtensor_cfg.tensor_parallel_size={tp} x context_parallel_size={cp} does not "
-            f"divide {world_size} ranks"
+            f"divide the {world_size} policy ranks (data-parallel size must be a whole number)"
         )
-    grid = np.arange(world_size).reshape(world_size // (tp * cp), cp, tp)
-    return NamedSharding(grid, [DP_AXIS, CP_AXIS, TP_AXIS])
+    grid = np.arange(world_size).reshape(1, world_size // (tp * cp), cp, tp)
+    return NamedSharding(grid, [PP_AXIS, DP_AXIS, CP_AXIS, TP_AXIS])
 
 
 class Policy:
-    """An FSDP2 policy over ``num_workers`` ranks (``num_workers / tensor_parallel_size``
-    data-parallel ranks, each a group of ``tensor_parallel_size`` neighbouring ranks).
+    """An FSDP2 policy: NeMo-RL's ``lm_policy.Policy``.
 
-    ``cluster`` is a ``px.Cluster`` (workers placed with ``NodePlacement``) or a
-    ``RayVirtualCluster`` (one worker per bundle, NeMo-RL style).
+    ``cluster`` is a ``RayVirtualCluster`` (one worker per bundle, NeMo-RL style) or a
+    ``px.Cluster`` (``num_workers`` workers placed with ``NodePlacement``). The data-parallel
+    size is the number of workers / (tensor_parallel_size x context_parallel_size).
     """
 
     def __init__(
@@ -52,69 +67,96 @@ class Policy:
         cluster: Cluster | RayVirtualCluster,
         config: dict[str, Any],
         tokenizer: Any,
-        *,
-        num_workers: int = 1,
-        name_prefix: str = "policy",
+        name_prefix: str = "lm_policy",
+        workers_per_node: int | list[int] | None = None,
+        init_optimizer: bool = True,
         weights_path: str | None = None,
         optimizer_path: str | None = None,
-        init_optimizer: bool = True,
         init_reference_model: bool = True,
+        processor: Any = None,
+        *,
+        num_workers: int | None = None,
         num_cpus_per_worker: float = 1.0,
         timeout_s: float = 300.0,
     ) -> None:
         if not isinstance(config, dict):
             raise TypeError(f"config must be a dict, got {type(config).__name__}")
+        check_policy_config(config)
         path = config.get("model_name")
         if not path or not os.path.exists(os.path.join(str(path), "config.json")):
-            raise ValueError(f"config['model_name']: model path {path!r} does not exist")
+            raise ConfigError(f"config['model_name']: model path {path!r} does not exist")
         if getattr(tokenizer, "pad_token_id", None) is None:
             raise ValueError(
                 "tokenizer has no pad token (pad_token_id is None); set tokenizer.pad_token first"
             )
-        if not isinstance(num_workers, int) or num_workers < 1:
-            raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
-        tp, cp = check_parallel_config(config)
-        if num_workers % (tp * cp):
-            raise ValueError(
-                f"dtensor_cfg.tensor_parallel_size={tp} x context_parallel_size={cp} does not "
-                f"divide num_workers {num_workers}"
+        if processor is not None:
+            raise ConfigError("processor: multimodal (VLM) policies are not supported")
+        if isinstance(cluster, RayVirtualCluster):
+            world = cluster.world_size()
+            if num_workers is not None and num_workers != world:
+                raise ValueError(
+                    f"num_workers={num_workers} disagrees with the virtual cluster's "
+                    f"{world} bundles (a RayVirtualCluster starts one worker per bundle)"
+                )
+        elif isinstance(cluster, Cluster):
+            world = 1 if num_workers is None else num_workers
+            if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+                raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
+        else:
+            raise TypeError(
+                f"cluster must be a RayVirtualCluster or a px.Cluster, got {type(cluster).__name__}"
             )
-        dp = num_workers // (tp * cp)
+        tp, cp = check_parallel_config(config)
+        plan = (config.get("dtensor_cfg") or {}).get("custom_parallel_plan")
+        if plan is not None:
+            load_parallel_plan(plan)  # a bad plan fails here, before any worker starts
+        self.sharding_annotations = _sharding(world, tp, cp)
+        dp = self.sharding_annotations.get_axis_size(DP_AXIS)
         gbs = config.get("train_global_batch_size")
         if isinstance(gbs, int) and gbs % dp:
-            raise ValueError(
+            raise ConfigError(
                 f"train_global_batch_size {gbs} is not divisible by the data-parallel size {dp} "
-                f"(num_workers {num_workers} / (tensor_parallel_size {tp} x "
-                f"context_parallel_size {cp}))"
+                f"({world} ranks / (tensor_parallel_size {tp} x context_parallel_size {cp}))"
             )
         self.cfg = config
         self.tokenizer = tokenizer
         self.timeout_s = timeout_s
+        self.use_dynamic_batches = dynamic_batching_enabled(config)
+        self.use_sequence_packing = sequence_packing_enabled(config)
+        dcfg = config.get("dtensor_cfg") or {}
+        env_vars = dict(dcfg.get("env_vars") or {})
         builder = RayWorkerBuilder(
             "phalanx.llm.policy_worker.DTensorPolicyWorker",
             config,
             tokenizer,
-            weights_path=weights_path,
-            optimizer_path=optimizer_path,
+            weights_path=os.path.abspath(weights_path) if weights_path else None,
+            optimizer_path=os.path.abspath(optimizer_path) if optimizer_path else None,
             init_optimizer=init_optimizer,
             init_reference_model=init_reference_model,
         )
         if isinstance(cluster, RayVirtualCluster):
-            sharding = _sharding(cluster.world_size, tp, cp)
             self.worker_group = RayWorkerGroup(
-                cluster, builder, name_prefix=name_prefix, sharding_annotations=sharding
+                cluster,
+                builder,
+                workers_per_node=workers_per_node,
+                name_prefix=name_prefix,
+                sharding_annotations=self.sharding_annotations,
+                env_vars=env_vars,
             )
         else:
-            sharding = _sharding(num_workers, tp, cp)
+            if workers_per_node is not None:
+                raise ValueError("workers_per_node applies to a RayVirtualCluster only")
             self.worker_group = RayWorkerGroup(remote_worker_builder=builder).launch(
                 cluster,
-                NodePlacement(num_workers=num_workers, num_cpus=num_cpus_per_worker),
+                NodePlacement(num_workers=world, num_cpus=num_cpus_per_worker),
                 name=name_prefix,
-                sharding=sharding,
+                sharding=self.sharding_annotations,
+                env_vars=env_vars,
                 timeout_s=timeout_s,
             )
-        self.dp_size = self.worker_group.sharding_annotations.get_axis_size(DP_AXIS)
+        self.dp_size = dp
         self.max_seq_len = int(config.get("max_total_sequence_length") or 1 << 30)
+        self._sequence_pad_multiple = cp * 2 * tp if cp > 1 else tp
 
     # ------------------------------------------------------------------ helpers
     def _check(self, data: BatchedDataDict, what: str) -> None:
@@ -127,15 +169,65 @@ class Policy:
             raise ValueError(
                 f"{what}: sequence length {seq} exceeds max_total_sequence_length {self.max_seq_len}"
             )
+        if (self.use_dynamic_batches or self.use_sequence_packing) and "input_lengths" not in data:
+            option = "dynamic_batching" if self.use_dynamic_batches else "sequence_packing"
+            raise ValueError(f"{what}: {option} needs data['input_lengths']")
+
+    def _shard(
+        self, data: BatchedDataDict, batch_size: int | None, tokens_key: str
+    ) -> tuple[list[BatchedDataDict], list[int] | None]:
+        """Shards for the data-parallel ranks and, when reordered, the permutation to undo."""
+        if self.use_dynamic_batches:
+            dyn = self.cfg["dynamic_batching"]
+            args = {
+                "input_key": "input_ids",
+                "input_lengths_key": "input_lengths",
+                "sequence_length_round": dyn["sequence_length_round"],
+                "max_tokens_per_microbatch": self._mb_tokens(dyn, tokens_key, "dynamic_batching"),
+            }
+            shards, perm = data.shard_by_batch_size(
+                self.dp_size,
+                batch_size=batch_size,
+                allow_uneven_shards=batch_size is None,
+                dynamic_batching_args=args,
+            )
+            return shards, perm
+        if self.use_sequence_packing:
+            pk = self.cfg["sequence_packing"]
+            args = {
+                "input_key": "input_ids",
+                "input_lengths_key": "input_lengths",
+                "algorithm": pk.get("algorithm", "modified_first_fit_decreasing"),
+                "sequence_length_pad_multiple": self._sequence_pad_multiple,
+                "max_tokens_per_microbatch": self._mb_tokens(pk, tokens_key, "sequence_packing"),
+                "microbatch_order": pk.get("microbatch_order", "packer"),
+            }
+            shards, perm = data.shard_by_batch_size(
+                self.dp_size,
+                batch_size=batch_size,
+                allow_uneven_shards=batch_size is None,
+                sequence_packing_args=args,
+            )
+            return shards, perm
+        shards = data.shard_by_batch_size(
+            self.dp_size, batch_size=batch_size, allow_uneven_shards=batch_size is None
+        )
+        return shards, None
+
+    @staticmethod
+    def _mb_tokens(section: dict[str, Any], key: str, option: str) -> int:
+        if key not in section:
+            raise ConfigError(f"{option}.{key} is required for this call")
+        return int(section[key])
 
     def _sharded(self, method: str, shards: list[BatchedDataDict], **common: Any) -> list[Any]:
-        # The cp and tp ranks of one data-parallel rank take the same shard; one returns.
+        # The pp, cp and tp ranks of one data-parallel rank take the same shard; one returns.
         fut = self.worker_group.run_all_workers_sharded_data(
             method,
             data=shards,
             in_sharded_axes=[DP_AXIS],
-            replicate_on_axes=[CP_AXIS, TP_AXIS],
-            output_is_replicated=[CP_AXIS, TP_AXIS],
+            replicate_on_axes=_REPLICATED,
+            output_is_replicated=_REPLICATED,
             common_kwargs=common,
         )
         return fut.get_results(self.worker_group, timeout=self.timeout_s)
@@ -152,19 +244,23 @@ class Policy:
         gbs: int | None = None,
         mbs: int | None = None,
     ) -> dict[str, Any]:
-        """Train on ``data`` (a whole number of global batches); returns loss and metrics."""
+        """Train on ``data`` (a whole number of global batches); returns loss and metrics.
+
+        ``token_mask`` is needed only by token-level losses; without it every token counts.
+        """
         self._check(data, "train")
         gbs = int(gbs or self.cfg["train_global_batch_size"])
         mbs = int(mbs or self.cfg["train_micro_batch_size"])
         if gbs % self.dp_size:
             raise ValueError(f"gbs {gbs} is not divisible by the data-parallel size {self.dp_size}")
-        if (gbs // self.dp_size) % mbs:
+        plain = not (self.use_dynamic_batches or self.use_sequence_packing)
+        if plain and (gbs // self.dp_size) % mbs:
             raise ValueError(
                 f"mbs {mbs} does not divide the per-rank global batch {gbs // self.dp_size}"
             )
         if data.size % gbs:
             raise ValueError(f"train: batch of {data.size} rows is not a multiple of gbs {gbs}")
-        shards = data.shard_by_batch_size(self.dp_size, batch_size=gbs)
+        shards, _ = self._shard(data, gbs, "train_mb_tokens")
         results = self._sharded(
             "train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
         )
@@ -183,14 +279,20 @@ class Policy:
         self, method: str, key: str, data: BatchedDataDict, mbs: int | None
     ) -> BatchedDataDict:
         self._check(data, method)
-        shards = data.shard_by_batch_size(self.dp_size, allow_uneven_shards=True)
+        shards, perm = self._shard(data, None, "logprob_mb_tokens")
         results = self._sharded(method, shards, micro_batch_size=mbs)
-        return BatchedDataDict({key: torch.cat([r[key] for r in results], dim=0)})
+        out = BatchedDataDict.from_batches([{key: r[key]} for r in results])
+        if perm is not None:
+            out.reorder_data(perm)
+        if key not in out:  # no rows at all
+            out[key] = torch.zeros(tuple(data["input_ids"].shape), dtype=torch.float32)
+        return out
 
     def get_logprobs(
         self, data: BatchedDataDict, micro_batch_size: int | None = None
     ) -> BatchedDataDict:
-        """``logprobs`` [B, T] of ``data['input_ids']`` (position 0 and padding are 0)."""
+        """``logprobs`` [B, T] of ``data['input_ids']`` (position 0 and padding are 0),
+        in the order of ``data``."""
         return self._logprobs("get_logprobs", "logprobs", data, micro_batch_size)
 
     def get_reference_policy_logprobs(
@@ -202,11 +304,17 @@ class Policy:
         )
 
     # ------------------------------------------------------------------ phases and weights
-    def prepare_for_training(self) -> None:
+    def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
         self._all("prepare_for_training")
 
-    def prepare_for_lp_inference(self) -> None:
+    def prepare_for_lp_inference(self, *args: Any, **kwargs: Any) -> None:
         self._all("prepare_for_lp_inference")
+
+    def finish_training(self, *args: Any, **kwargs: Any) -> None:
+        """End of a training phase. Nothing to release: each ``train`` call already frees
+        its gradients, and the model stays where ``prepare_for_training`` put it until
+        ``prepare_for_lp_inference``/``offload_after_refit`` move it (NeMo-RL's is a no-op
+        too)."""
 
     def offload_before_refit(self) -> None:
         self._all("offload_before_refit")
@@ -216,7 +324,7 @@ class Policy:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full model weights on CPU (gathered collectively, returned by rank 0)."""
-        return self._all("return_state_dict")[0]
+        return self._all("return_full_state_dict")[0]
 
     def save_checkpoint(
         self,
@@ -228,6 +336,12 @@ class Policy:
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         self._all("load_checkpoint", weights_path, optimizer_path)
+
+    def start_gpu_profiling(self) -> None:
+        self._all("start_gpu_profiling")
+
+    def stop_gpu_profiling(self) -> None:
+        self._all("stop_gpu_profiling")
 
     def shutdown(self) -> bool:
         return self.worker_group.shutdown(cleanup_method="shutdown", timeout=60)

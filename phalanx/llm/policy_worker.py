@@ -9,22 +9,40 @@ normalised by the number of valid tokens of the whole global batch, so the resul
 not depend on the sharding. Context parallelism needs CUDA (``check_parallel_config``
 refuses it on CPU); on GPU the forward and backward run inside ``train_context``.
 
-Config (a dict, NeMo-RL's ``PolicyConfig`` keys)::
+Config (a dict, NeMo-RL's ``PolicyConfig`` keys; ``policy_config.py`` decides every key)::
 
     model_name                    path of a save_pretrained model (required)
     train_global_batch_size       rows per optimizer step, over all ranks
     train_micro_batch_size        rows per forward/backward on one rank
     logprob_batch_size            rows per forward in get_logprobs
+    logprob_chunk_size            positions per chunk when computing log-probs
     max_total_sequence_length     longest input accepted
     precision                     "float32" | "bfloat16" | "float16" (FSDP2 mixed precision)
     max_grad_norm                 gradient clipping (None: no clipping)
     optimizer                     {"name": "torch.optim.AdamW", "kwargs": {...}}
-    scheduler                     None | {"name": "torch.optim.lr_scheduler.X", "kwargs": {...}}
+    scheduler                     None | {"name", "kwargs"} | [{"name", "kwargs"}, ...,
+                                  {"milestones": [...]}] (SequentialLR)
     dtensor_cfg                   {"activation_checkpointing", "cpu_offload",
                                    "tensor_parallel_size", "context_parallel_size",
-                                   "sequence_parallel"}
+                                   "sequence_parallel", "custom_parallel_plan",
+                                   "defer_fsdp_grad_sync", "clear_cache_every_n_steps",
+                                   "env_vars"}
+    dynamic_batching              {"enabled", "train_mb_tokens", "logprob_mb_tokens",
+                                   "sequence_length_round"}
+    sequence_packing              {"enabled", "train_mb_tokens", "logprob_mb_tokens",
+                                   "algorithm", "microbatch_order"}
+    generation                    its "temperature" divides the logits (as in NeMo-RL)
+    hf_config_overrides           passed to the model config
+    offload_optimizer_for_logprob prepare_for_lp_inference moves optimizer state to CPU
+                                  (default True)
+    refit_buffer_size_gb / _mb    refit bucket size
     seed                          torch seed (same on every rank)
     profile_dir                   where stop_gpu_profiling writes its trace
+
+With ``dynamic_batching`` or ``sequence_packing`` the data must come from
+``BatchedDataDict.shard_by_batch_size`` with the matching arguments (``Policy`` does that):
+micro-batches follow the shard's plan. Packed micro-batches run as one row with position ids
+restarting per sequence and a block-diagonal causal mask.
 """
 
 from __future__ import annotations
@@ -35,7 +53,8 @@ import importlib
 import os
 import socket
 import time
-from collections.abc import Generator, Iterable
+import warnings
+from collections.abc import Generator, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -44,8 +63,23 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from phalanx.data import BatchedDataDict
-from phalanx.llm.loss import LossFunction, valid_token_mask
-from phalanx.llm.parallelize import apply_fsdp, apply_tp, check_tp_size, clip_grad_norm
+from phalanx.llm.logprobs import chosen_token_logprobs
+from phalanx.llm.loss import LossFunction, LossType
+from phalanx.llm.parallelize import (
+    apply_custom_plan,
+    apply_fsdp,
+    apply_tp,
+    check_tp_size,
+    clip_grad_norm,
+)
+from phalanx.llm.policy_config import (
+    ConfigError,
+    check_policy_config,
+    dynamic_batching_enabled,
+    logits_temperature,
+    sequence_packing_enabled,
+)
+from phalanx.llm.sequence_packing import pack_rows, unpack_to_rows, unpack_token_logprobs
 from phalanx.worker.worker import Worker
 
 _PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -170,6 +204,15 @@ class DTensorPolicyWorker(Worker):
             self.device_mesh["dp", "cp"]._flatten("dp_cp") if self.cp_size > 1 else self.dp_mesh
         )
         self.dtype = _PRECISIONS[self.cfg.get("precision", "float32")]
+        self.temperature = logits_temperature(self.cfg)
+        self.logprob_chunk_size = self.cfg.get("logprob_chunk_size")
+        self.mode = (
+            "dynamic"
+            if dynamic_batching_enabled(self.cfg)
+            else "packed"
+            if sequence_packing_enabled(self.cfg)
+            else "plain"
+        )
         self.model = self._load_model()
         self.max_seq_len = int(
             self.cfg.get("max_total_sequence_length")
@@ -210,11 +253,14 @@ class DTensorPolicyWorker(Worker):
 
     def _load_model(self) -> torch.nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         dcfg = self.cfg.get("dtensor_cfg") or {}
+        overrides = dict(self.cfg.get("hf_config_overrides") or {})
+        overrides.setdefault("attn_implementation", "sdpa")
+        config = AutoConfig.from_pretrained(self.cfg["model_name"], **overrides)
         model = AutoModelForCausalLM.from_pretrained(
-            self.cfg["model_name"], dtype=torch.float32, attn_implementation="sdpa"
+            self.cfg["model_name"], config=config, dtype=torch.float32
         )
         model.config.use_cache = False
         if dcfg.get("activation_checkpointing"):
@@ -222,11 +268,28 @@ class DTensorPolicyWorker(Worker):
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
         mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
-        offload = CPUOffloadPolicy() if dcfg.get("cpu_offload") else None
+        # Pinned host memory needs an accelerator; NeMo-RL does not pin either.
+        offload = CPUOffloadPolicy(pin_memory=False) if dcfg.get("cpu_offload") else None
+        if offload is not None and self.device.type == "cpu":
+            warnings.warn(
+                "dtensor_cfg.cpu_offload=True on a CPU-only worker: parameters already live "
+                "in host memory, so offloading changes nothing",
+                stacklevel=2,
+            )
         if offload is None and self.device.type == "cuda":
             model = model.to(self.device)
+        plan = dcfg.get("custom_parallel_plan")
+        if plan is not None and self.tp_size == 1:
+            warnings.warn(
+                "dtensor_cfg.custom_parallel_plan is only applied with tensor_parallel_size > 1 "
+                "(as in NeMo-RL); it has no effect at tensor_parallel_size=1",
+                stacklevel=2,
+            )
         if self.tp_size > 1:
-            apply_tp(model, self.tp_mesh, self.sequence_parallel)
+            if plan is not None:
+                apply_custom_plan(model, self.tp_mesh, plan)
+            else:
+                apply_tp(model, self.tp_mesh, self.sequence_parallel)
         apply_fsdp(model, self._fsdp_mesh, mp, offload)
         return model
 
@@ -245,7 +308,23 @@ class DTensorPolicyWorker(Worker):
         cls = _import_object(ocfg["name"], "optimizer.name")
         self.optimizer = cls(self.model.parameters(), **dict(ocfg.get("kwargs") or {}))
         scfg = self.cfg.get("scheduler")
-        if scfg:
+        if isinstance(scfg, list):
+            # NeMo-RL's form: schedulers chained by SequentialLR at the given milestones.
+            parts, milestones = [], None
+            for entry in scfg:
+                if "name" in entry:
+                    cls_ = _import_object(entry["name"], "scheduler[].name")
+                    parts.append(cls_(self.optimizer, **dict(entry.get("kwargs") or {})))
+                elif "milestones" in entry:
+                    milestones = list(entry["milestones"])
+                else:
+                    raise ConfigError(f"scheduler entry {entry!r} has neither name nor milestones")
+            if milestones is None:
+                raise ConfigError("scheduler list needs a {'milestones': [...]} entry")
+            self.scheduler = torch.optim.lr_scheduler.SequentialLR(
+                self.optimizer, parts, milestones
+            )
+        elif scfg:
             sched_cls = _import_object(scfg["name"], "scheduler.name")
             self.scheduler = sched_cls(self.optimizer, **dict(scfg.get("kwargs") or {}))
         else:
@@ -269,22 +348,40 @@ class DTensorPolicyWorker(Worker):
                 f"{self.max_seq_len}"
             )
 
-    def _forward_logits(self, input_ids: torch.Tensor, stack: contextlib.ExitStack) -> torch.Tensor:
-        """Logits [B, T, V] of right-padded ``input_ids``.
+    def _forward_logits(
+        self,
+        input_ids: torch.Tensor,
+        stack: contextlib.ExitStack,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits [B, T, V] of right-padded ``input_ids`` (divided by the generation
+        temperature when the config has one, as NeMo-RL does).
 
         Contexts the backward pass must also run under (context parallelism) are entered
-        into ``stack``, which the caller closes after its backward.
+        into ``stack``, which the caller closes after its backward. ``position_ids`` and a
+        4-D boolean ``attention_mask`` are given for packed rows.
         """
         if self.cp_size > 1:
-            return self._forward_logits_cp(input_ids, stack)
-        # Right padding needs no attention mask: valid tokens never attend to later pads.
-        T = input_ids.shape[1]
-        pad = -T % self.tp_size if self.sequence_parallel else 0
-        if pad:  # sequence parallelism splits the sequence evenly over the tp ranks
-            fill = input_ids.new_full((input_ids.shape[0], pad), self.tokenizer.pad_token_id)
-            input_ids = torch.cat([input_ids, fill], dim=1)
-        logits = self.model(input_ids=input_ids.to(self.device), use_cache=False).logits
-        return logits[:, :T] if pad else logits
+            logits = self._forward_logits_cp(input_ids, stack)
+        else:
+            # Right padding needs no attention mask: valid tokens never attend to later pads.
+            T = input_ids.shape[1]
+            pad = -T % self.tp_size if self.sequence_parallel else 0
+            if pad:  # sequence parallelism splits the sequence evenly over the tp ranks
+                fill = input_ids.new_full((input_ids.shape[0], pad), self.tokenizer.pad_token_id)
+                input_ids = torch.cat([input_ids, fill], dim=1)
+            kwargs: dict[str, Any] = {}
+            if position_ids is not None:
+                kwargs["position_ids"] = position_ids.to(self.device)
+            if attention_mask is not None:
+                kwargs["attention_mask"] = attention_mask.to(self.device)
+            logits = self.model(input_ids=input_ids.to(self.device), use_cache=False, **kwargs)
+            logits = logits.logits
+            logits = logits[:, :T] if pad else logits
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        return logits
 
     def _forward_logits_cp(
         self, input_ids: torch.Tensor, stack: contextlib.ExitStack
@@ -309,6 +406,68 @@ class DTensorPolicyWorker(Worker):
         full = torch.cat(all_gather(local.contiguous(), group=group), dim=1)
         return full[:, order[:T]]
 
+    def _packed_logits(
+        self, mb: BatchedDataDict, stack: contextlib.ExitStack
+    ) -> tuple[torch.Tensor, Any]:
+        """Logits [1, L, V] of ``mb``'s sequences packed into one row, and the packing."""
+        if "input_lengths" not in mb:
+            raise ValueError("sequence_packing needs data['input_lengths']")
+        multiple = self.tp_size if self.sequence_parallel else 1
+        packed = pack_rows(
+            mb["input_ids"], mb["input_lengths"], self.tokenizer.pad_token_id, multiple
+        )
+        logits = self._forward_logits(
+            packed.input_ids, stack, packed.position_ids, packed.attention_mask
+        )
+        return logits, packed
+
+    def _dummy_logits(self, stack: contextlib.ExitStack) -> torch.Tensor:
+        """A two-token forward that keeps this rank's collectives in step with busier ranks."""
+        ids = torch.full((1, 2 * self.tp_size), self.tokenizer.pad_token_id, dtype=torch.long)
+        return self._forward_logits(ids, stack)
+
+    def _max_over_ranks(self, n: int) -> int:
+        """The largest ``n`` over all policy ranks (forwards are collective)."""
+        return int(self._all_reduce(torch.tensor(n), dist.ReduceOp.MAX).item())
+
+    def _microbatches(self, batch: BatchedDataDict, mbs: int, what: str) -> list[BatchedDataDict]:
+        """This rank's micro-batches of one global batch, per the batching mode."""
+        if self.mode == "plain":
+            if batch.size % mbs:
+                raise ValueError(
+                    f"{what}: mbs (train_micro_batch_size) {mbs} does not divide this rank's "
+                    f"global batch of {batch.size} rows"
+                )
+            return list(batch.make_microbatch_iterator(mbs)) if batch.size else []
+        if batch.micro_batch_indices is None:
+            option = "dynamic_batching" if self.mode == "dynamic" else "sequence_packing"
+            raise ValueError(
+                f"{what}: {option} is enabled but the data carries no micro-batch plan; shard "
+                "it with BatchedDataDict.shard_by_batch_size(..., "
+                f"{'dynamic_batching_args' if self.mode == 'dynamic' else 'sequence_packing_args'}"
+                "=...) (Policy does this)"
+            )
+        if self.mode == "dynamic":
+            return list(batch.make_microbatch_iterator_with_dynamic_shapes())
+        return list(batch.make_microbatch_iterator_for_packable_sequences())
+
+    def _global_batches(self, data: BatchedDataDict, local_gbs: int) -> list[BatchedDataDict]:
+        if data.elem_counts_per_gb is not None:  # sharded by shard_by_batch_size
+            return [data.get_batch(g) for g in range(len(data.elem_counts_per_gb))]
+        if self.mode != "plain":
+            self._microbatches(data, 1, "train")  # raises: no plan
+        if data.size % local_gbs:
+            raise ValueError(
+                f"train: this rank holds {data.size} rows, not a multiple of the per-rank "
+                f"global batch {local_gbs}"
+            )
+        return [data.slice(s, s + local_gbs) for s in range(0, data.size, local_gbs)]
+
+    def _clear_cache_step(self, i: int) -> None:
+        n = (self.cfg.get("dtensor_cfg") or {}).get("clear_cache_every_n_steps")
+        if n and i % n == 0:
+            _free_device_cache()
+
     # ------------------------------------------------------------------ training
     def train(
         self,
@@ -322,6 +481,7 @@ class DTensorPolicyWorker(Worker):
 
         Returns ``global_loss`` (one value per global batch, summed over ranks),
         ``grad_norm``, ``lr`` and ``all_mb_metrics`` (lists, one entry per micro-batch).
+        Without ``token_mask`` every token counts as valid (token-level losses need it).
         """
         gbs = int(gbs or self.cfg["train_global_batch_size"])
         mbs = int(mbs or self.cfg["train_micro_batch_size"])
@@ -331,47 +491,70 @@ class DTensorPolicyWorker(Worker):
                 f"size {self.dp_size}"
             )
         local_gbs = gbs // self.dp_size
-        if local_gbs % mbs:
+        if self.mode == "plain" and local_gbs % mbs:
             raise ValueError(
                 f"mbs (train_micro_batch_size) {mbs} does not divide the per-rank global batch "
                 f"{local_gbs} (gbs {gbs} / dp {self.dp_size})"
             )
         self._check_batch(data, "train")
-        if data.size % local_gbs:
-            raise ValueError(
-                f"train: this rank holds {data.size} rows, not a multiple of the per-rank "
-                f"global batch {local_gbs}"
+        if getattr(loss_fn, "loss_type", None) == LossType.TOKEN_LEVEL and "token_mask" not in data:
+            raise ConfigError(
+                f"train: {type(loss_fn).__name__} is a token-level loss and needs "
+                "data['token_mask'] (only sequence-level losses may omit it)"
             )
         if not eval_mode and self.optimizer is None:
             raise RuntimeError("train: the worker was built with init_optimizer=False")
+        batches = self._global_batches(data, local_gbs)
+        n_gb = len(batches)
+        if self._max_over_ranks(n_gb) != n_gb:
+            raise ValueError(
+                f"train: rank {self.rank} holds {n_gb} global batches but another policy rank "
+                "holds more; every data-parallel rank needs the same number"
+            )
+        defer_sync = (self.cfg.get("dtensor_cfg") or {}).get("defer_fsdp_grad_sync", True)
         self.model.train(not eval_mode)
         losses, grad_norms, mb_metrics = [], [], {}
-        for gb_start in range(0, data.size, local_gbs):
-            gb = data.slice(gb_start, gb_start + local_gbs)
-            local_toks = valid_token_mask(gb).sum()
+        for gb in batches:
             sample_mask = gb.get("sample_mask", torch.ones(gb.size))
+            local_seqs = sample_mask.float().sum()
+            if "token_mask" in gb:
+                local_toks = (gb["token_mask"][:, 1:].float() * sample_mask.float()[:, None]).sum()
+            else:  # NeMo-RL: every token of every valid sequence
+                local_toks = local_seqs * gb["input_ids"].shape[1]
             counts = self._all_reduce(
-                torch.stack([local_toks, sample_mask.float().sum()]), group=self._dp_group
+                torch.stack([local_toks.cpu(), local_seqs.cpu()]), group=self._dp_group
             )
             global_toks, global_seqs = counts[0], counts[1]
             if not eval_mode:
                 self.optimizer.zero_grad(set_to_none=True)
-            n_mb = local_gbs // mbs
+            micro = [mb for mb in self._microbatches(gb, mbs, "train") if mb.size]
+            n_mb = self._max_over_ranks(len(micro))
             gb_loss = torch.zeros((), device=self.device)
-            for i, mb in enumerate(gb.make_microbatch_iterator(mbs)):
-                mb = mb.to(self.device)
+            for i in range(n_mb):
+                self._clear_cache_step(i)
                 if hasattr(self.model, "set_requires_gradient_sync"):
-                    self.model.set_requires_gradient_sync(i == n_mb - 1)
+                    self.model.set_requires_gradient_sync(i == n_mb - 1 or not defer_sync)
                 with torch.set_grad_enabled(not eval_mode), contextlib.ExitStack() as stack:
-                    logits = self._forward_logits(mb["input_ids"], stack).float()
-                    loss, metrics = loss_fn(logits, mb, global_seqs, global_toks)
+                    metrics = None
+                    if i >= len(micro):  # this rank has fewer micro-batches: a no-op step
+                        loss = self._dummy_logits(stack).sum() * 0.0
+                    else:
+                        mb = micro[i].to(self.device)
+                        if self.mode == "packed":
+                            packed_logits, packed = self._packed_logits(mb, stack)
+                            T = mb["input_ids"].shape[1]
+                            logits = unpack_to_rows(packed_logits, packed, T).float()
+                        else:
+                            logits = self._forward_logits(mb["input_ids"], stack).float()
+                        loss, metrics = loss_fn(logits, mb, global_seqs, global_toks)
                     if not eval_mode:
                         # FSDP averages gradients over dp ranks; the loss is already a
                         # share of the global mean, so undo that average.
                         (loss * self.dp_size).backward()
-                gb_loss += loss.detach()
-                for k, v in metrics.items():
-                    mb_metrics.setdefault(k, []).append(v)
+                if metrics is not None:
+                    gb_loss += loss.detach()
+                    for k, v in metrics.items():
+                        mb_metrics.setdefault(k, []).append(v)
             grad_norm = torch.zeros(())
             if not eval_mode:
                 params = list(self.model.parameters())
@@ -380,48 +563,77 @@ class DTensorPolicyWorker(Worker):
             losses.append(self._all_reduce(gb_loss, group=self._dp_group).cpu())
             grad_norms.append(grad_norm)
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None
-        if not eval_mode and self.scheduler is not None:
-            self.scheduler.step()
+        if not eval_mode:
+            self.optimizer.zero_grad(set_to_none=True)  # free the gradients until next time
+            if self.scheduler is not None:
+                self.scheduler.step()
         return {
-            "global_loss": torch.stack(losses),
-            "grad_norm": torch.stack(grad_norms),
+            "global_loss": torch.stack(losses) if losses else torch.zeros(0),
+            "grad_norm": torch.stack(grad_norms) if grad_norms else torch.zeros(0),
             "lr": lr,
             "rank": self.rank,
             "all_mb_metrics": mb_metrics,
         }
 
     # ------------------------------------------------------------------ log-probs
+    def _logprob_microbatches(
+        self, data: BatchedDataDict, micro_batch_size: int | None
+    ) -> Iterator[tuple[int, BatchedDataDict]]:
+        """(first row, micro-batch) pairs covering ``data`` in order."""
+        if self.mode == "plain":
+            mbs = int(micro_batch_size or self.cfg.get("logprob_batch_size") or data.size or 1)
+            for start in range(0, data.size, mbs):
+                yield start, data.slice(start, min(start + mbs, data.size))
+            return
+        if data.micro_batch_indices is None:
+            self._microbatches(data, 1, "get_logprobs")  # raises: no plan
+        start = 0
+        for mb in self._microbatches(data, 1, "get_logprobs"):
+            yield start, mb
+            start += mb.size
+
     @torch.no_grad()
     def get_logprobs(
         self, data: BatchedDataDict, micro_batch_size: int | None = None
     ) -> BatchedDataDict:
-        """Per-token log-probs [B, T] of ``input_ids``; position 0 and padding are 0."""
+        """Per-token log-probs [B, T] of ``input_ids``; position 0 and padding are 0.
+
+        Only the chosen tokens' log-probs are kept, computed in chunks of positions
+        (``logprob_chunk_size``): no full-vocabulary float32 copy of a micro-batch's logits.
+        """
         self._check_batch(data, "get_logprobs")
-        mbs = int(micro_batch_size or self.cfg.get("logprob_batch_size") or data.size or 1)
         ids = data["input_ids"]
         B, T = ids.shape
         lengths = data.get("input_lengths")
         if lengths is None:
             lengths = torch.full((B,), T, dtype=torch.long)
         self.model.eval()
+        micro = [(s, mb) for s, mb in self._logprob_microbatches(data, micro_batch_size) if mb.size]
         # FSDP forwards are collective: every rank runs as many as the busiest one.
-        n_mb = -(-B // mbs) if B else 0
-        n_max = int(self._all_reduce(torch.tensor(n_mb), dist.ReduceOp.MAX).item())
+        n_max = self._max_over_ranks(len(micro))
         out = torch.zeros((B, T), dtype=torch.float32)
         for i in range(n_max):
-            if i < n_mb:
-                chunk = ids[i * mbs : (i + 1) * mbs]
-            else:  # a dummy forward to keep the collectives in step
-                chunk = torch.full((1, 2), self.tokenizer.pad_token_id, dtype=torch.long)
             with contextlib.ExitStack() as stack:
-                logits = self._forward_logits(chunk, stack)
-            if i >= n_mb:
-                continue
-            logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-            tok = logp.gather(-1, chunk[:, 1:].to(self.device).unsqueeze(-1)).squeeze(-1)
-            out[i * mbs : (i + 1) * mbs, 1:] = tok.cpu()
+                if i >= len(micro):
+                    self._dummy_logits(stack)
+                    continue
+                start, mb = micro[i]
+                chunk = mb["input_ids"]
+                if self.mode == "packed":
+                    logits, packed = self._packed_logits(mb, stack)
+                    lp = chosen_token_logprobs(
+                        logits, packed.input_ids[:, 1:], self.logprob_chunk_size
+                    )
+                    tok = unpack_token_logprobs(lp, packed, chunk.shape[1])
+                else:
+                    logits = self._forward_logits(chunk, stack)
+                    lp = chosen_token_logprobs(logits, chunk[:, 1:], self.logprob_chunk_size)
+                    tok = torch.cat([lp.new_zeros((lp.shape[0], 1)), lp], dim=1)
+                del logits
+            n, width = tok.shape
+            out[start : start + n, :width] = tok.cpu()
         pos = torch.arange(T).unsqueeze(0)
-        out = out * (pos < lengths.unsqueeze(1)).float()
+        out = out * (pos < lengths.cpu().unsqueeze(1)).float()
         return BatchedDataDict(logprobs=out)
 
     @contextlib.contextmanager
@@ -477,7 +689,18 @@ class DTensorPolicyWorker(Worker):
             local.add_(_local(noise).to(local.device, local.dtype))
 
     def return_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full (gathered) model state dict on CPU; every rank must call it."""
+        """This rank's model state dict as NeMo-RL returns it: sharded parameters stay
+        DTensors (``.shape`` is the full shape, ``.to_local()`` this rank's shard).
+
+        Not a collective: it may be called on one worker. ``return_full_state_dict`` (every
+        rank calls it) gathers full tensors.
+        """
+        self._reshard()
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
+
+    def return_full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (gathered) model state dict on CPU; a collective: every rank calls it."""
+        self._reshard()
         return {
             k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
             for k, v in self.model.state_dict().items()
@@ -497,6 +720,8 @@ class DTensorPolicyWorker(Worker):
     def _refit_bucket_bytes(self) -> int:
         from phalanx.weights.layout import check_sizes
 
+        if "refit_buffer_size_gb" in self.cfg:  # NeMo-RL's key
+            return check_sizes(float(self.cfg["refit_buffer_size_gb"]) * 1024)
         return check_sizes(self.cfg.get("refit_buffer_size_mb", 64))
 
     def prepare_weights_for_ipc(self) -> tuple[list[tuple[str, int]], float]:
@@ -611,9 +836,10 @@ class DTensorPolicyWorker(Worker):
         as ranks 1..world_size-1). Gloo on CPU, NCCL on GPU."""
         if self.rank != 0:
             return
+        from phalanx.comm.process_group import host_store
         from phalanx.weights import new_process_group
 
-        store = dist.TCPStore(ip, port, world_size, True, timeout=_PG_TIMEOUT)
+        store = host_store(ip, _PG_TIMEOUT.total_seconds(), port)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self._refit_store = store
         self.model_update_group = new_process_group(
@@ -678,7 +904,8 @@ class DTensorPolicyWorker(Worker):
         """Model on its device in eval mode; optimizer state off the device."""
         self.model = self.move_to_device(self.model, self._model_device())
         self.model.eval()
-        self.offload_before_refit()
+        if self.cfg.get("offload_optimizer_for_logprob", True):
+            self.offload_before_refit()
 
     def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
         """Model and optimizer state on the device, model in train mode."""
@@ -813,29 +1040,62 @@ class DTensorPolicyWorker(Worker):
         return psutil.Process().memory_info().rss
 
     def get_gpu_info(self) -> dict[str, Any]:
-        """Device and memory facts of this rank (CPU: process memory, ``cuda`` False)."""
+        """Device and memory facts of this rank, with NeMo-RL's keys.
+
+        On CPU the memory figures are the process's resident memory (``memory_*_mb``) and
+        ``cuda`` is False; ``parameter_sample`` names one parameter with its device, shape
+        (this rank's shard) and dtype.
+        """
         rss = self._rss()
         self._peak_rss = max(self._peak_rss, rss)
+        mb = 1024 * 1024
+        sample: dict[str, Any] = {}
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                local = _local(p)
+                sample[name] = {
+                    "device": str(local.device),
+                    "shape": list(local.shape),
+                    "dtype": str(local.dtype),
+                }
+                break
+        cuda = torch.cuda.is_available()
         info: dict[str, Any] = {
-            "rank": self.rank,
+            "rank": dist.get_rank() if dist.is_initialized() else self.rank,
+            "world_size": dist.get_world_size() if dist.is_initialized() else self.world_size,
+            "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+            "local_device_id": torch.cuda.current_device() if cuda else None,
+            "global_device_id": os.environ.get("CUDA_VISIBLE_DEVICES") if cuda else None,
+            "device_count": torch.cuda.device_count() if cuda else 0,
+            "device_name": torch.cuda.get_device_name(self.device) if cuda else "cpu",
+            "memory_allocated_mb": (torch.cuda.memory_allocated(self.device) if cuda else rss) / mb,
+            "memory_reserved_mb": (torch.cuda.memory_reserved(self.device) if cuda else rss) / mb,
+            "peak_memory_allocated_mb": (
+                torch.cuda.max_memory_allocated(self.device) if cuda else self._peak_rss
+            )
+            / mb,
+            "peak_memory_reserved_mb": (
+                torch.cuda.max_memory_reserved(self.device) if cuda else self._peak_rss
+            )
+            / mb,
+            "parameter_sample": sample,
+            "env_vars": {
+                k: v
+                for k, v in os.environ.items()
+                if k.startswith("CUDA") or k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")
+            },
+            # phalanx's own
             "pid": os.getpid(),
             "hostname": socket.gethostname(),
             "device": str(self.device),
-            "cuda": torch.cuda.is_available(),
+            "cuda": cuda,
             "cpu_rss_bytes": rss,
             "cpu_peak_rss_bytes": self._peak_rss,
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         }
-        if torch.cuda.is_available():
+        if cuda:
             props = torch.cuda.get_device_properties(self.device)
-            info.update(
-                device_name=props.name,
-                total_memory=props.total_memory,
-                memory_allocated=torch.cuda.memory_allocated(self.device),
-                memory_reserved=torch.cuda.memory_reserved(self.device),
-                max_memory_allocated=torch.cuda.max_memory_allocated(self.device),
-                device_uuid=self.report_device_id(),
-            )
+            info.update(total_memory=props.total_memory, device_uuid=self.report_device_id())
         return info
 
     def report_device_id(self) -> str:
@@ -888,18 +1148,19 @@ class DTensorPolicyWorker(Worker):
 def _check_config(config: Any) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise TypeError(f"config must be a dict, got {type(config).__name__}")
+    check_policy_config(config)
     path = config.get("model_name")
     if not path:
-        raise ValueError("config['model_name'] is required (a save_pretrained directory)")
+        raise ConfigError("config['model_name'] is required (a save_pretrained directory)")
     if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
-        raise ValueError(f"config['model_name']: model path {path!r} does not exist")
+        raise ConfigError(f"config['model_name']: model path {path!r} does not exist")
     precision = config.get("precision", "float32")
     if precision not in _PRECISIONS:
-        raise ValueError(f"config['precision'] {precision!r} is not one of {sorted(_PRECISIONS)}")
-    for key in ("train_global_batch_size", "train_micro_batch_size"):
+        raise ConfigError(f"config['precision'] {precision!r} is not one of {sorted(_PRECISIONS)}")
+    for key in ("train_global_batch_size", "train_micro_batch_size", "logprob_batch_size"):
         v = config.get(key)
-        if v is not None and (not isinstance(v, int) or v < 1):
-            raise ValueError(f"config[{key!r}] must be a positive int, got {v!r}")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"config[{key!r}] must be a positive int, got {v!r}")
     check_parallel_config(config)
     return dict(config)
 
@@ -914,13 +1175,15 @@ def check_parallel_config(config: dict[str, Any]) -> tuple[int, int]:
     for key in ("tensor_parallel_size", "context_parallel_size"):
         v = dcfg.get(key, 1)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"dtensor_cfg.{key} must be a positive int, got {v!r}")
+            raise ConfigError(f"dtensor_cfg.{key} must be a positive int, got {v!r}")
         sizes.append(v)
     tp, cp = sizes
     if dcfg.get("sequence_parallel") and tp == 1:
-        raise ValueError(
-            "dtensor_cfg.sequence_parallel=True needs dtensor_cfg.tensor_parallel_size > 1 "
-            "(it shards the norms over the tensor-parallel ranks)"
+        # NeMo-RL warns and goes on; sequence parallelism only exists over tp ranks.
+        warnings.warn(
+            "dtensor_cfg.sequence_parallel=True has no effect with tensor_parallel_size=1 "
+            "(it shards the norms over the tensor-parallel ranks)",
+            stacklevel=2,
         )
     if cp > 1 and not torch.cuda.is_available():
         raise NotImplementedError(

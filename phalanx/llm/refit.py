@@ -1,31 +1,36 @@
 """Refit: move the policy's current weights into the generation workers.
 
-Four transports, all on the weight-sync layer (``phalanx.weights``):
+Every refit is a version of one ``WeightSender`` on the generation group, so the
+generators receive through the weight-sync layer's own transports, under their names
+(``phalanx.weights.transports``): versioned, validated, applied whole between calls.
+What differs is who places the bytes:
 
-- ``"ipc"``: on CPU every policy rank copies its own rows of the weights into one
-  same-node shared-memory segment (``DTensorPolicyWorker.pack_weights_for_ipc``); on GPU
-  rank 0 packs the gathered weights into a CUDA buffer. The generation workers map the
-  handle and copy in. Same node only. The generators' call takes the policy's result
-  as a Ray argument, so the driver waits once.
-- ``"collective"``: policy rank 0 and the generation workers form one process group
-  (gloo on CPU, NCCL on GPU); rank 0 broadcasts the weights in buckets. Every operation
-  of that group times out after ``peer_timeout_s`` (30 s; the group is made with 300 s,
-  then ``set_timeout`` on every member), so a peer that died or does not take part frees
-  the others within that bound (a dead peer's closed connection usually does it at once).
-  A gloo operation that timed out cannot be retried, so the refit fails instead. A broadcast
-  that fails is reported naming the workers that died (pinged as the weight-sync layer
-  does, ``phalanx.weights.sender.ping``), and the group is rebuilt at the next refit;
-  it is also rebuilt when a member was restarted since it was made.
-- ``"object_store"`` / ``"shm"``: the gathered state dict goes through a
-  ``WeightSender`` on the generation group.
+- ``"shm"`` / ``"cuda_ipc"`` (alias ``"ipc"``: the one of the two that fits the policy's
+  device): the policy's own ranks write the weights. On CPU every policy rank copies its
+  rows into one same-node shared-memory segment
+  (``DTensorPolicyWorker.pack_weights_for_ipc``); on GPU rank 0 packs the gathered
+  weights into a CUDA buffer. The sender then has the generators read it
+  (``WeightSender.send_prepared``). Same node only.
+- ``"collective"``: policy rank 0 and the generation workers form one weights process
+  group (gloo on CPU, NCCL on GPU; the generators join through the weight layer's
+  receiver) and rank 0 broadcasts the weights in buckets while the generators receive
+  them through the sender's collective transport. Every operation of that group times
+  out after ``peer_timeout_s`` (30 s), so a peer that died or does not take part frees
+  the others within that bound (a dead peer's closed connection usually does it at
+  once); a busy generator takes part only once its call ends. A failed broadcast is
+  reported naming the workers that died, and the group is rebuilt at the next refit; it
+  is also rebuilt when a member was restarted since it was made.
+- ``"object_store"`` / ``"auto"``: the driver gathers the policy's state dict and the
+  sender moves it (``"auto"``: shared memory on one node, where ``read_only_weights``
+  generators take the sender's buffers as their parameters without a copy).
 
 A generation worker that dies is restarted by its group's fault-tolerance policy
 (``launch(..., restart_policy=px.RestartPolicy())``), which refits it before any call
-reaches it (the group's weights-restore hook): ``"ipc"`` re-sends the last handle (the
-policy keeps the segment until the next refit), ``"collective"`` copies the weights from
-a healthy peer generation worker and rebuilds the broadcast group at the next refit,
-and the ``WeightSender`` of the other two re-sends its last version. The policy is not
-called, so a restart never interleaves with the policy's own collectives.
+reaches it through the group's restart hooks: the sender re-sends its last version
+(``"shm"``/``"cuda_ipc"``: the policy keeps the segment until the next refit), and for
+``"collective"``, whose broadcast is not kept, the weights are copied from a healthy peer
+generation worker and the group is rebuilt at the next refit. The policy is not called,
+so a restart never interleaves with the policy's own collectives.
 """
 
 from __future__ import annotations
@@ -36,9 +41,12 @@ from typing import Any
 from phalanx.group.group import WorkerGroup
 from phalanx.llm.policy import Policy
 from phalanx.resources.cluster import find_free_port
-from phalanx.weights.sender import ping
+from phalanx.weights import receiver as _recv
+from phalanx.weights.sender import WeightSender, ping
 
-TRANSPORTS = ("ipc", "collective", "object_store", "shm")
+TRANSPORTS = ("ipc", "collective", "object_store", "shm", "auto")  # usable on CPU
+ALL_TRANSPORTS = (*TRANSPORTS, "cuda_ipc")  # "ipc" is an alias: "shm" on CPU, "cuda_ipc" on GPU
+_KEY = "refit"  # the weights process group's key (DTensorPolicyWorker.init_collective)
 
 
 class Refitter:
@@ -56,8 +64,8 @@ class Refitter:
         timeout_s: float = 300.0,
         peer_timeout_s: float = 30.0,
     ) -> None:
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if transport not in ALL_TRANSPORTS:
+            raise ValueError(f"transport must be one of {ALL_TRANSPORTS}, got {transport!r}")
         if not isinstance(peer_timeout_s, (int, float)) or peer_timeout_s <= 0:
             raise ValueError(f"peer_timeout_s must be a positive number, got {peer_timeout_s!r}")
         if not isinstance(generation, WorkerGroup):
@@ -66,12 +74,20 @@ class Refitter:
         self.timeout_s, self.peer_timeout_s = timeout_s, float(peer_timeout_s)
         self._info: dict[str, Any] | None = None
         self._members: dict[tuple[str, int], Any] = {}  # (group, rank) -> actor, collective
-        self._sender: Any = None
-        self._handles: dict[str, Any] | None = None
+        sender_transport = transport if transport in ("object_store", "shm", "auto") else "auto"
+        self.sender = WeightSender(generation, transport=sender_transport, timeout_s=timeout_s)
         self.refits = 0
-        if transport in ("ipc", "collective"):  # the WeightSender registers its own
-            generation.add_restart_hook(self._restore)
+        self._remove_hook = None
+        if transport == "collective":  # the sender restores the others itself
+            self._remove_hook = generation.add_restart_hook(self._restore)
 
+    def close(self) -> None:
+        """Release the sender and the restart hooks."""
+        self.sender.close()
+        if self._remove_hook is not None:
+            self._remove_hook()
+
+    # ------------------------------------------------------------------ collective
     def _collective_members(self) -> dict[tuple[str, int], Any]:
         """The actors a collective refit group spans: policy rank 0 and every generator."""
         pg, gen = self.policy.worker_group, self.generation
@@ -90,26 +106,36 @@ class Refitter:
         port = find_free_port(ip, meta["ray_node_id"])
         world = 1 + gen.world_size
         a = pg.call("init_collective", ip, port, world)
-        b = gen.call("init_collective", ip, port, world, 1)
+        # The generators join as the weight layer's receivers (ranks 1..), each operation
+        # of their group bounded by peer_timeout_s.
+        joins = [(r, (ip, port, world, 1 + r, self.peer_timeout_s), {}) for r in range(world - 1)]
+        b = gen.apply(_join_refit_group, joins, label="join_refit_group")
         a.wait(timeout=t)
         b.wait(timeout=t)
-        bound = [(r, (self.peer_timeout_s,), {}) for r in range(gen.world_size)]
-        gen.apply(_bound_refit_group, bound, label="bound_refit_group").wait(timeout=t)
-        pg.apply(_bound_refit_group, bound[:1], label="bound_refit_group").wait(timeout=t)
+        bound = [(0, (self.peer_timeout_s,), {})]
+        pg.apply(_bound_refit_group, bound, label="bound_refit_group").wait(timeout=t)
         self._info = pg.call("prepare_info_for_collective").wait(timeout=t)[0]
         self._members = members
 
     def _refit_collective(self) -> None:
-        pg, gen, t = self.policy.worker_group, self.generation, self.timeout_s
+        pg, t = self.policy.worker_group, self.timeout_s
         self._setup_collective()
+        info = self._info
+        payload = {"key": _KEY, "bucket_bytes": info["bucket_bytes"]}
         try:
-            a = pg.call("broadcast_weights_for_collective")
-            b = gen.call("update_weights_from_collective", self._info)
-            a.wait(timeout=t)
-            b.wait(timeout=t)
+            self.sender.send_prepared(
+                "collective", info["layout"], payload, wait=False, beside_calls=False
+            )
+            pg.call("broadcast_weights_for_collective").wait(timeout=t)
         except Exception as e:
+            if self.sender.pending:
+                self.sender.wait_async()
             self._info = None  # rebuilt at the next refit
             raise self._broadcast_error(e) from e
+        result = self.sender.wait_async()
+        if not result.ok:
+            self._info = None
+            raise self._broadcast_error(RuntimeError(f"generators failed: {result.failed}"))
 
     def _broadcast_error(self, cause: Exception) -> RuntimeError:
         """The error of a failed collective refit, naming the members that died."""
@@ -119,40 +145,40 @@ class Refitter:
             f"{members[i][0][0]}[rank {members[i][0][1]}]: {why}" for i, why in dead.items()
         )
         return RuntimeError(
-            f"collective refit failed: {who or 'no member died'}; the refit group is rebuilt at the next refit "
-            f"(cause: {type(cause).__name__}: {str(cause)[:300]})"
+            f"collective refit failed: {who or 'no member died'}; the refit group is rebuilt "
+            f"at the next refit (cause: {type(cause).__name__}: {str(cause)[:300]})"
         )
 
+    # ------------------------------------------------------------------ refit
     def refit(self) -> None:
         """Copy the policy's current weights into every generation worker."""
-        pg, gen, t = self.policy.worker_group, self.generation, self.timeout_s
-        if self.transport == "ipc":
-            packed = pg.call("pack_weights_for_ipc")
-            # Rank 0's result goes straight to the generators as a Ray argument: they start
-            # copying when it is ready, without a round trip through the driver.
-            applied = gen.call("update_weights_from_ipc_handles", packed.refs[0])
-            self._handles = packed.wait(timeout=t)[0]
-            applied.wait(timeout=t)
+        pg, t = self.policy.worker_group, self.timeout_s
+        if self.transport in ("ipc", "shm", "cuda_ipc"):
+            handles = pg.call("pack_weights_for_ipc").wait(timeout=t)[0]
+            (handle,) = handles.values()  # one device id: the policy's node or GPU
+            kind = handle["kind"]
+            if self.transport != "ipc" and kind != self.transport:
+                raise ValueError(
+                    f"refit transport {self.transport!r}: the policy packs for {kind!r} "
+                    "(its device); use 'ipc' to take whichever fits"
+                )
+            payload = {"path": handle["name"]} if kind == "shm" else handle
+            result = self.sender.send_prepared(kind, handle["layout"], payload)
         elif self.transport == "collective":
             self._refit_collective()
+            result = None
         else:
-            from phalanx.weights import WeightSender
-
-            if self._sender is None:
-                self._sender = WeightSender(gen, transport=self.transport, timeout_s=t)
-            result = self._sender.send(self.policy.state_dict())
-            if not result.ok:
-                raise RuntimeError(f"refit through {self.transport} failed: {result}")
+            result = self.sender.send(self.policy.state_dict())
+        if result is not None and not result.ok:
+            raise RuntimeError(f"refit through {self.transport} failed: {result}")
         self.refits += 1
 
     def _restore(self, ranks: list[int]) -> None:
-        """Refit restarted generation ranks (run by the fault layer before they are called)."""
+        """Refit restarted generation ranks after a collective refit (run by the fault
+        layer before they are called): copy the weights from a healthy peer."""
         gen, t = self.generation, self.timeout_s
         if self.refits == 0:
             return  # they loaded the same from_pretrained weights the policy started from
-        if self.transport == "ipc":
-            gen.execute_on(*ranks).update_weights_from_ipc_handles(self._handles).wait(timeout=t)
-            return
         self._info = None  # the broadcast group lost a member: rebuilt at the next refit
         peers = [r for r in gen.healthy_worker_ids() if r not in ranks]
         if not peers:
@@ -162,6 +188,15 @@ class Refitter:
             )
         state = gen.execute_on(peers[0]).get_state_dict().wait(timeout=t)[0]
         gen.execute_on(*ranks).update_weights(state).wait(timeout=t)
+
+
+def _join_refit_group(
+    worker: Any, ip: str, port: int, world: int, rank: int, timeout_s: float
+) -> bool:
+    """Join the refit group as a weights receiver (NCCL when the worker's model is on CUDA)."""
+    device = getattr(worker, "device", None)
+    backend = "nccl" if getattr(device, "type", "cpu") == "cuda" else "gloo"
+    return _recv.collective_join_op(worker, _KEY, ip, port, world, rank, backend, timeout_s)
 
 
 def _bound_refit_group(worker: Any, timeout_s: float) -> None:

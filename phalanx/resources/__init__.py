@@ -1,5 +1,5 @@
-"""Layer 2, resources: the cluster (start or join Ray), placement strategies and the
-NeMo-RL virtual cluster (placement groups and bundles)."""
+"""Layer 2, resources: the cluster (start or join Ray), placement strategies (phalanx's
+and RLinf's) and the NeMo-RL virtual cluster (placement groups and bundles)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,31 @@ from phalanx.resources.placement import (
     Placement,
     WorkerSlot,
 )
+from phalanx.resources.strategies import (
+    FlexiblePlacementStrategy,
+    NodePlacementStrategy,
+    PackedPlacementStrategy,
+    PlacementError,
+    PlacementIndexError,
+    PlacementStrategy,
+    RankPlacement,
+)
 from phalanx.resources.virtual_cluster import RayVirtualCluster
 
 __all__ = [
     "Cluster",
     "FlexiblePlacement",
+    "FlexiblePlacementStrategy",
     "NodeInfo",
     "NodePlacement",
+    "NodePlacementStrategy",
     "PackedPlacement",
+    "PackedPlacementStrategy",
     "Placement",
+    "PlacementError",
+    "PlacementIndexError",
+    "PlacementStrategy",
+    "RankPlacement",
     "RayVirtualCluster",
     "WorkerSlot",
 ]

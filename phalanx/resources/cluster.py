@@ -38,6 +38,21 @@ class NodeInfo:
     num_gpus: int
     is_driver_node: bool
 
+    @property
+    def num_accelerators(self) -> int:
+        """RLinf's name for ``num_gpus``."""
+        return self.num_gpus
+
+    @property
+    def node_ip(self) -> str:
+        """RLinf's name for ``ip``."""
+        return self.ip
+
+    @property
+    def accelerator_type(self) -> str:
+        """``NV_GPU`` when Ray reports GPUs on the node, else ``NO_ACCEL`` (RLinf's names)."""
+        return "NV_GPU" if self.num_gpus > 0 else "NO_ACCEL"
+
 
 class Cluster:
     """Ray, started or joined, with a stable list of nodes.
@@ -121,6 +136,11 @@ class Cluster:
         return sum(n.num_gpus for n in self._nodes)
 
     @property
+    def num_accelerators(self) -> int:
+        """RLinf's name: accelerators (GPUs Ray reports) over all nodes."""
+        return self.num_gpus
+
+    @property
     def num_gpus_per_node(self) -> int:
         """GPUs of the largest node (global device ids are laid out with this stride)."""
         return max((n.num_gpus for n in self._nodes), default=0)
@@ -131,6 +151,27 @@ class Cluster:
                 f"node_rank {node_rank} out of range: cluster has {len(self._nodes)} node(s)"
             )
         return self._nodes[node_rank]
+
+    def get_node_info(self, node_rank: int) -> NodeInfo:
+        """RLinf's name for ``node(node_rank)``."""
+        return self.node(node_rank)
+
+    def get_node_num_accelerators(self, node_rank: int) -> int:
+        """Accelerators of one node (RLinf's name)."""
+        return self.node(node_rank).num_gpus
+
+    def get_node_ip(self, node_rank: int) -> str:
+        """IP address of one node (RLinf's name)."""
+        return self.node(node_rank).ip
+
+    @property
+    def accelerator_ranks(self) -> list[list[int]]:
+        """Global accelerator ranks of each node: node after node, in node-rank order."""
+        out, start = [], 0
+        for n in self._nodes:
+            out.append(list(range(start, start + n.num_gpus)))
+            start += n.num_gpus
+        return out
 
     def node_rank_of(self, node_id: str) -> int:
         for n in self._nodes:

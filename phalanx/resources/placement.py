@@ -1,5 +1,8 @@
 """Placement strategies: turn "how many workers, on which devices" into worker slots.
 
+This file holds phalanx's own strategies and the ``WorkerSlot`` every strategy produces;
+RLinf's strategies (``PackedPlacementStrategy`` ...) live in ``strategies.py``.
+
 A slot says where one rank runs: its node, its local rank on that node, the GPUs it sees
 and the CPU/GPU resources it reserves. Rank order is deterministic:
 
@@ -38,6 +41,13 @@ class WorkerSlot:
     bundle_index: int | None = None
     bundle_indices: tuple[int, list[int]] | None = None
     isolate_gpu: bool = True
+    # Filled by the strategies: this group's ranks on the slot's node, and the node's
+    # index among the nodes the placement uses (None: not known, not exported).
+    local_world_size: int | None = None
+    placement_node_rank: int | None = None
+    # RLinf strategies only: RLinf's isolate_accelerator flag (see WorkerContext.rank_env).
+    isolate_accelerator: bool | None = None
+    accelerator_type: str | None = None
 
 
 class Placement:
@@ -48,13 +58,19 @@ class Placement:
 
 
 def _finish(cluster: Cluster, slots: list[WorkerSlot]) -> list[WorkerSlot]:
-    """Fill node ids/ips and local ranks (index of the rank among this group's ranks on its node)."""
+    """Fill node ids/ips, local ranks (index of the rank among this group's ranks on its
+    node), each node's rank count and the node's index among the placement's nodes."""
     per_node: dict[int, int] = {}
     for s in slots:
         node = cluster.node(s.node_rank)
         s.node_id, s.node_ip = node.node_id, node.ip
+        s.accelerator_type = node.accelerator_type
         s.local_rank = per_node.get(s.node_rank, 0)
         per_node[s.node_rank] = s.local_rank + 1
+    order = {n: i for i, n in enumerate(sorted(per_node))}
+    for s in slots:
+        s.local_world_size = per_node[s.node_rank]
+        s.placement_node_rank = order[s.node_rank]
     return slots
 
 
@@ -227,13 +243,10 @@ class NodePlacement(Placement):
 
 
 def default_placement(cluster: Cluster) -> Placement:
-    """One worker per GPU when the cluster has GPUs, else one CPU worker per node."""
-    if cluster.num_gpus > 0:
-        return FlexiblePlacement(
-            [
-                [n.node_rank * cluster.num_gpus_per_node + g]
-                for n in cluster.nodes
-                for g in range(n.num_gpus)
-            ]
-        )
-    return NodePlacement()
+    """RLinf's default: one worker per GPU over all GPUs (``PackedPlacementStrategy(0, n-1)``)
+    when the cluster has GPUs, else one CPU worker on node 0 (``NodePlacementStrategy([0])``)."""
+    from phalanx.resources.strategies import NodePlacementStrategy, PackedPlacementStrategy
+
+    if cluster.num_accelerators > 0:
+        return PackedPlacementStrategy(0, cluster.num_accelerators - 1)
+    return NodePlacementStrategy([0])

@@ -198,13 +198,15 @@ class RayVirtualCluster:
                     )
                 node_id = self._bundle_nodes[(pg_pos, b)]
                 node_rank = self.cluster.node_rank_of(node_id)
+                node = self.cluster.node(node_rank)
                 slots.append(
                     WorkerSlot(
                         rank=len(slots),
                         node_rank=node_rank,
                         local_rank=b,
                         node_id=node_id,
-                        node_ip=self.cluster.node(node_rank).ip,
+                        node_ip=node.ip,
+                        accelerator_type=node.accelerator_type,
                         num_cpus=self.num_cpus_per_bundle / self.max_colocated_worker_groups,
                         num_gpus=per_worker_gpu,
                         placement_group=pg,

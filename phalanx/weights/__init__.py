@@ -4,10 +4,13 @@ Transports: ``"auto"`` (the default: same-node shared memory or CUDA IPC, the ob
 across nodes), ``"object_store"``, ``"shm"``, ``"collective"``; see ``WeightSender``.
 
 Public: ``WeightSender``, ``RayModuleTransformSender``, ``SyncResult``,
-``WeightMismatchError``, and worker-side building blocks (``pack_state_dict``,
-``ShmSegment``, ``broadcast_stream``, ``receive_stream``, ``apply_weights``...) that
-policy workers build their refit methods on. Names are imported on first use so that
-importing the receiver mixin (part of every worker) does not pull in torch.
+``WeightMismatchError``, ``NoModelError``, and worker-side building blocks
+(``pack_state_dict``, ``pack_to_shm``, ``broadcast_stream``, ``receive_stream``,
+``apply_weights``...) that policy workers build their refit methods on. Shared-memory
+segments, CUDA IPC handles and process groups themselves come from ``phalanx.comm``
+(``shm.Segment``, ``cuda_ipc``, ``process_group``); the names here wrap those. The
+receiver mixin and the call lock live in the worker layer (``phalanx.worker``). Names are
+imported on first use.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ _LAZY = {
     "RayModuleTransformSender": ".sender",
     "SyncResult": ".sender",
     "WeightMismatchError": ".receiver",
+    "NoModelError": ".receiver",
     "WeightsReceiverMixin": ".receiver",
+    "check_finite": ".sender",
     "apply_weights": ".receiver",
     "validate": ".receiver",
     "ReadWriteLock": ".lock",
@@ -30,6 +35,7 @@ _LAZY = {
     "pack_state_dict": ".layout",
     "views": ".layout",
     "to_named_tensors": ".layout",
+    "ShmRing": ".transports.shm",
     "ShmSegment": ".transports.shm",
     "pack_to_shm": ".transports.shm",
     "open_views": ".transports.shm",

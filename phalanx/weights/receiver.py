@@ -1,67 +1,66 @@
-"""The receiving side: validate a whole version, then copy it in place between calls.
+"""The receiving side: validate a whole version, then apply it between method calls.
 
 Any worker whose model is ``self.model`` (or who overrides ``weights_module()``) can
-receive. A payload is first made available locally by its transport (zero-copy views of
-the object store or of shared memory, or a staging buffer filled by a broadcast); then
-every name, shape and dtype is checked against the module; only if all match are the
-bytes copied into the existing parameters and buffers, under the host's write lock, so
-a method call never sees half a version. Versions that are not newer are ignored. An
-idle worker receiving a broadcast skips the staging copy: it validates first, then
-receives straight into its parameters under the write lock (see
-``transports/collective.py`` for what happens when such a transfer breaks midway).
+receive. The sender reaches it through the host's public side-call entry
+(``WorkerHost.px_side_call``, which runs beside a busy method) with one of the ``*_op``
+functions below. A payload is first made available locally by its transport (zero-copy
+views of the object store or of shared memory, or a staging buffer filled by a
+broadcast); then every name, shape and dtype is checked against the module; only if all
+match is the version applied, under the worker's call lock
+(``phalanx.worker.call_lock``), so a method call never sees half a version. Applying
+means copying into the existing parameters, or, for a ``read_only_weights`` receiver
+given one of the sender's shared buffers, pointing the parameters at that buffer (no
+copy). Versions that are not newer are ignored. An idle worker receiving a broadcast
+skips the staging copy (see ``transports/collective.py``).
 
-Torch is imported lazily: the mixin is part of every ``Worker``.
+A version that lacks some of the module's parameters is refused (``strict=True``, the
+default) or applied as a partial version (``strict=False``: the ack lists the names it
+did not carry, and so does ``worker.weights_missing``).
 """
 
 from __future__ import annotations
 
+import functools
 import time
+import weakref
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
+
+from phalanx.worker.call_lock import call_lock
+from phalanx.worker.weights_state import WeightsReceiverMixin, receiver_state
 
 if TYPE_CHECKING:
     import torch
 
     from phalanx.weights.layout import Layout
 
+__all__ = [
+    "NoModelError",
+    "WeightMismatchError",
+    "WeightsReceiverMixin",
+    "apply_weights",
+    "validate",
+]
+
 
 class WeightMismatchError(ValueError):
     """Sent weights do not fit the receiver's module; nothing was changed."""
 
 
-class WeightsReceiverMixin:
-    """Receiver side of weight sync, part of every ``px.Worker``."""
-
-    _px_weights_version: int = 0
-    _px_weights_torn: int = 0  # a version whose in-place transfer broke midway (0: none)
-
-    @property
-    def weights_version(self) -> int:
-        """The version of the weights applied last (0: none received yet)."""
-        return self._px_weights_version
-
-    @property
-    def weights_torn(self) -> int:
-        """A version whose in-place (collective) transfer broke midway, leaving the model
-        a mix of two versions until a whole version is applied again; 0 when consistent."""
-        return self._px_weights_torn
-
-    def weights_module(self) -> Any:
-        """The ``torch.nn.Module`` that receives weights; ``self.model`` unless overridden."""
-        model = getattr(self, "model", None)
-        if model is None:
-            raise AttributeError(
-                f"{type(self).__name__} has no model to receive weights: set self.model "
-                "or override weights_module()"
-            )
-        return model
+class NoModelError(WeightMismatchError):
+    """The receiver holds no model to receive weights into."""
 
 
-def _module_of(obj: Any) -> Any:
-    fn = getattr(obj, "weights_module", None)
-    module = fn() if callable(fn) else getattr(obj, "model", None)
+def module_of(worker: Any) -> Any:
+    """The module that receives weights on ``worker`` (``weights_module()`` or ``model``)."""
+    fn = getattr(worker, "weights_module", None)
+    try:
+        module = fn() if callable(fn) else getattr(worker, "model", None)
+    except AttributeError as e:
+        raise NoModelError(str(e)) from None
     if module is None:
-        raise AttributeError(
-            f"{type(obj).__name__} has no model to receive weights: set self.model "
+        raise NoModelError(
+            f"{type(worker).__name__} has no model to receive weights: set self.model "
             "or define weights_module()"
         )
     return module
@@ -78,8 +77,14 @@ def target_tensors(module: Any) -> dict[str, torch.Tensor]:
     raise TypeError(f"weights_module() must return an nn.Module, got {type(module).__name__}")
 
 
-def validate(targets: dict[str, torch.Tensor], layout: Layout) -> None:
-    """Raise ``WeightMismatchError`` naming the first parameter that does not fit."""
+def validate(
+    targets: dict[str, torch.Tensor], layout: Layout, strict: bool = False
+) -> tuple[str, ...]:
+    """Raise ``WeightMismatchError`` naming the first parameter that does not fit.
+
+    Returns the receiver's names the layout does not carry; with ``strict`` any such name
+    is an error too.
+    """
     for spec in layout.specs:
         t = targets.get(spec.name)
         if t is None:
@@ -107,6 +112,14 @@ def validate(targets: dict[str, torch.Tensor], layout: Layout) -> None:
                 f"parameter {alias!r} (tied to {canon!r}): receiver has {have}, sent "
                 f"{list(spec.shape)} {spec.dtype}"
             )
+    missing = tuple(sorted(set(targets) - set(specs) - set(layout.aliases)))
+    if strict and missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise WeightMismatchError(
+            f"missing parameters {list(missing[:5])}{more}: the sent weights do not cover the "
+            "receiver's module (send them all, or pass strict=False for a partial update)"
+        )
+    return missing
 
 
 def copy_into(
@@ -147,6 +160,33 @@ def copy_aliases(targets: dict[str, torch.Tensor], layout: Layout) -> None:
             dst.copy_(targets[canon])
 
 
+def unshare(worker: Any, targets: dict[str, torch.Tensor] | None = None) -> None:
+    """Give a receiver whose parameters view a shared buffer private storage again.
+
+    Call under the write lock (or from the method that is about to write), before
+    anything writes into the parameters.
+    """
+    state = receiver_state(worker)
+    if state.view is None:
+        return
+    if targets is None:
+        targets = target_tensors(module_of(worker))
+    done: set[int] = set()
+    for t in targets.values():
+        if id(t) not in done:
+            done.add(id(t))
+            t.data = t.data.clone()
+    state.view = None
+
+
+def _record(worker: Any, version: int | None, missing: tuple[str, ...]) -> None:
+    if version is not None:
+        state = receiver_state(worker)
+        state.version = version
+        state.torn = 0
+        state.missing = missing
+
+
 def apply_weights(
     obj: Any,
     layout: Layout,
@@ -154,96 +194,189 @@ def apply_weights(
     version: int | None = None,
     lock: Any = None,
     timeout: float | None = None,
+    strict: bool = False,
 ) -> bool:
-    """Apply a whole version to ``obj``'s module: all or nothing. False if not newer.
+    """Copy a whole version into ``obj``'s module: all or nothing. False if not newer.
 
     ``sources`` maps each spec name to a tensor of the spec's shape and dtype, or to the
     list of uint8 pieces that hold its bytes (a tensor split across buckets). ``lock`` is
     a ``ReadWriteLock``: the copy happens under its write side.
     """
-    if version is not None and version <= getattr(obj, "_px_weights_version", 0):
+    state = receiver_state(obj)
+    if version is not None and version <= state.version:
         return False
-    targets = target_tensors(_module_of(obj))
-    validate(targets, layout)
-    ctx = lock.write(timeout) if lock is not None else _null()
+    targets = target_tensors(module_of(obj))
+    missing = validate(targets, layout, strict)
+    ctx = lock.write(timeout) if lock is not None else nullcontext()
     with ctx:
-        if version is not None and version <= getattr(obj, "_px_weights_version", 0):
+        if version is not None and version <= state.version:
             return False
+        unshare(obj, targets)
         copy_into(targets, layout, sources)
-        if version is not None:
-            obj._px_weights_version = version
-            obj._px_weights_torn = 0
+        _record(obj, version, missing)
     return True
 
 
-class _null:
-    def __enter__(self) -> None:
-        return None
+def adopt_views(
+    obj: Any,
+    layout: Layout,
+    sources: dict[str, torch.Tensor],
+    version: int,
+    buffer: str,
+    lock: Any,
+    timeout: float | None,
+    strict: bool,
+) -> bool:
+    """Point ``obj``'s parameters at ``sources`` (views of shared ``buffer``): no copy.
 
-    def __exit__(self, *exc: Any) -> None:
-        return None
+    All or nothing, under the write lock, between method calls. Tensors the version does
+    not carry (a partial version) get private storage if they viewed an older buffer.
+    """
+    import torch
+
+    state = receiver_state(obj)
+    if version <= state.version:
+        return False
+    targets = target_tensors(module_of(obj))
+    missing = validate(targets, layout, strict)
+    with lock.write(timeout):
+        if version <= state.version:
+            return False
+        with torch.no_grad():
+            if state.view is not None:
+                for name in missing:
+                    targets[name].data = targets[name].data.clone()
+            for spec in layout.specs:
+                targets[spec.name].data = sources[spec.name]
+            for alias, canon in layout.aliases.items():
+                targets[alias].data = sources[canon]
+        state.view = buffer
+        _record(obj, version, missing)
+    _guard_loads(obj, module_of(obj))
+    return True
 
 
-# -- the host's entry point ---------------------------------------------------------------
+def _guard_loads(worker: Any, module: Any) -> None:
+    """Make ``load_state_dict`` on ``module`` (or any submodule) unshare first: the shared
+    buffers are mapped read-only, and the receiver's own load must not write into them."""
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        return
+    guarded = receiver_state(worker).scratch.setdefault("guarded", weakref.WeakSet())
+    ref = weakref.ref(worker)
+    for m in module.modules():
+        if m not in guarded:
+            guarded.add(m)
+            m.register_load_state_dict_pre_hook(functools.partial(_unshare_before_load, ref))
 
 
-def handle(host: Any, op: str, *args: Any) -> Any:
-    """Run one weights operation on a worker host (``WorkerHost._px_weights``)."""
-    obj = host._obj
-    if op == "version":
-        return getattr(obj, "_px_weights_version", 0)
-    if op == "validate":
-        (layout,) = args
-        validate(target_tensors(_module_of(obj)), layout)
-        return True
-    if op == "apply":
-        transport, version, layout, payload, timeout = args
-        return _receive_and_apply(host, transport, version, layout, payload, timeout)
-    if op in ("collective_join", "collective_drop"):
-        from phalanx.weights.transports import collective
-
-        return getattr(collective, op.removeprefix("collective_"))(host, *args)
-    raise ValueError(f"unknown weights operation {op!r}")
+def _unshare_before_load(ref: weakref.ref, *_: Any) -> None:
+    worker = ref()
+    if worker is not None:
+        unshare(worker)
 
 
-def _receive_and_apply(
-    host: Any, transport: str, version: int, layout: Layout, payload: Any, timeout: float | None
+def can_view(obj: Any) -> bool:
+    """True when ``obj`` may take shared buffers as its parameters (read-only, on CPU)."""
+    if not receiver_state(obj).read_only:
+        return False
+    try:
+        targets = target_tensors(module_of(obj))
+    except (TypeError, WeightMismatchError):
+        return False
+    return all(t.device.type == "cpu" for t in targets.values())
+
+
+# -- operations the sender runs on a worker (through WorkerHost.px_side_call) -------------
+
+
+def version_op(worker: Any) -> int:
+    """The version ``worker`` holds."""
+    return receiver_state(worker).version
+
+
+def validate_op(worker: Any, layout: Layout) -> bool:
+    validate(target_tensors(module_of(worker)), layout)
+    return True
+
+
+def collective_join_op(worker: Any, *args: Any) -> bool:
+    from phalanx.weights.transports import collective
+
+    return collective.join(worker, *args)
+
+
+def collective_drop_op(worker: Any, key: str) -> bool:
+    from phalanx.weights.transports import collective
+
+    return collective.drop(worker, key)
+
+
+def _span(worker: Any, tag: str) -> Any:
+    timer = getattr(worker, "worker_timer", None)
+    return timer(tag) if callable(timer) else nullcontext()
+
+
+def apply_op(
+    worker: Any,
+    transport: str,
+    version: int,
+    layout: Layout,
+    payload: Any,
+    timeout: float | None,
+    strict: bool = True,
 ) -> dict[str, Any]:
-    from phalanx.weights.lock import model_lock
+    """Receive ``version`` through ``transport`` and apply it; the ack for the sender."""
     from phalanx.weights.transports import receive
 
-    obj = host._obj
-    timers = host._timers
-    stale = version <= getattr(obj, "_px_weights_version", 0)
+    state = receiver_state(worker)
+    stale = version <= state.version
+    lock = call_lock(worker)
     t0 = time.perf_counter()
     if transport == "collective" and not stale:
         from phalanx.weights.transports.collective import apply_in_place
 
-        with timers.span("weights/transfer"):
-            status = apply_in_place(host, version, layout, payload, model_lock(host))
+        with _span(worker, "weights/transfer"):
+            status = apply_in_place(worker, version, layout, payload, lock, strict)
         if status is not None:  # received and applied in one pass
-            return {
-                "status": status,
-                "version": obj._px_weights_version,
-                "transfer": time.perf_counter() - t0,
-                "apply": 0.0,
-            }
-    with timers.span("weights/transfer"):
+            return _ack(worker, status, "collective", t0, time.perf_counter())
+    if transport == "shm" and not stale and payload.get("ring") and can_view(worker):
+        from phalanx.weights.transports.shm import forget_retired, open_views
+
+        forget_retired(worker, payload.get("retired", ()))
+        with _span(worker, "weights/transfer"):
+            sources = open_views(worker, payload["path"], layout)
+        t1 = time.perf_counter()
+        with _span(worker, "weights/apply"):
+            ok = adopt_views(
+                worker, layout, sources, version, payload["path"], lock, timeout, strict
+            )
+        return _ack(worker, "applied" if ok else "ignored", "shm_view", t0, t1)
+    with _span(worker, "weights/transfer"):
         # A stale version still takes part in a collective (others depend on it).
-        sources, release = receive(host, transport, layout, payload, skip=stale)
+        sources, release = receive(worker, transport, layout, payload, skip=stale)
     t1 = time.perf_counter()
     try:
         if stale:
             applied = False
         else:
-            with timers.span("weights/apply"):
-                applied = apply_weights(obj, layout, sources, version, model_lock(host), timeout)
+            with _span(worker, "weights/apply"):
+                applied = apply_weights(worker, layout, sources, version, lock, timeout, strict)
     finally:
         release()
+    return _ack(worker, "applied" if applied else "ignored", transport, t0, t1)
+
+
+def _ack(worker: Any, status: str, route: str, t0: float, t1: float) -> dict[str, Any]:
+    state = receiver_state(worker)
     t2 = time.perf_counter()
     return {
-        "status": "applied" if applied else "ignored",
-        "version": getattr(obj, "_px_weights_version", 0),
+        "status": status,
+        "version": state.version,
+        "route": route,
+        "holds": state.view,  # the shared buffer this worker's parameters view, if any
+        "missing": list(state.missing),
         "transfer": t1 - t0,
         "apply": t2 - t1,
     }

@@ -5,6 +5,15 @@ TensorDict), moves them with the chosen transport and blocks until the chosen wo
 applied them; ``send_async``/``wait_async`` split that in two so the sender can compute
 meanwhile. Every send carries a new version; receivers ignore versions that are not
 newer. A worker that dies does not stop the others: the ``SyncResult`` names it.
+
+Checks before anything moves: by default (``strict=True``) the weights must cover every
+parameter and buffer of the receivers' modules (``strict=False`` applies a partial
+version, which the ``SyncResult`` reports in ``missing``), and every floating-point tensor
+must be finite (``allow_nonfinite=True`` lets NaN/Inf through). A receiver that holds no
+model is an error (``NoModelError``), not a failed rank.
+
+The sender reaches each worker through the host's public side-call entry
+(``WorkerHost.px_side_call``) with the receiver's operations (``receiver.*_op``).
 """
 
 from __future__ import annotations
@@ -22,7 +31,10 @@ import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from phalanx._base.timing import TimerRecorder
+from phalanx.comm import shm as _shm_files
+from phalanx.comm.process_group import host_store
 from phalanx.group.group import WorkerGroup
+from phalanx.weights import receiver as _recv
 from phalanx.weights.layout import (
     Layout,
     check_dtype,
@@ -33,7 +45,7 @@ from phalanx.weights.layout import (
     to_named_tensors,
     views,
 )
-from phalanx.weights.receiver import WeightMismatchError
+from phalanx.weights.receiver import NoModelError, WeightMismatchError
 from phalanx.weights.transports import TRANSPORTS
 from phalanx.weights.transports import collective as _coll
 from phalanx.weights.transports import object_store as _os
@@ -53,12 +65,21 @@ class SyncResult:
     failed: dict[int, str] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     transport: str = ""
-    routes: dict[int, str] = field(default_factory=dict)  # rank -> transport its bytes took
+    # rank -> the path its bytes took: "shm" (copied from shared memory), "shm_view" (its
+    # parameters view the sender's shared buffer: read-only receivers), "cuda_ipc",
+    # "object_store" or "collective"
+    routes: dict[int, str] = field(default_factory=dict)
+    missing: dict[int, list[str]] = field(default_factory=dict)  # rank -> names not sent
 
     @property
     def ok(self) -> bool:
         """True when no chosen worker failed."""
         return not self.failed
+
+    @property
+    def partial(self) -> bool:
+        """True when some receiver got a partial version (``strict=False``)."""
+        return any(self.missing.values())
 
 
 @dataclass
@@ -75,6 +96,10 @@ class _Pending:
     thread_error: list[BaseException] = field(default_factory=list)
     routes: dict[int, str] = field(default_factory=dict)
     keep: Any = None  # keeps a snapshot alive until the receivers are done
+    strict: bool = True
+    ring_path: str | None = None  # the shared buffer this version was written to
+    prepared: bool = False  # the bytes were placed by someone else (send_prepared)
+    source: Any = None  # what the weights were taken from (re-read to restore a worker)
 
 
 class WeightSender:
@@ -93,6 +118,15 @@ class WeightSender:
     tensors on the way (e.g. fp32 master weights to bf16 receivers); ``name_map`` (a
     callable or dict; None drops a tensor) renames trainer names to receiver names.
     Neither materialises a second full copy on the sender.
+
+    Receivers whose class sets ``read_only_weights = True`` (env runners, generation
+    workers) on the sender's node take the shared buffer itself as their parameters
+    (route ``"shm_view"``): a send is then one copy for all of them. The sender keeps a
+    few buffers and rewrites one only when no receiver views it (see ``transports/shm.py``).
+
+    ``strict`` (default True): weights that lack some of a receiver's parameters are an
+    error; False applies them as a partial version. ``allow_nonfinite`` (default False):
+    NaN/Inf in floating-point weights is an error raised before anything is sent.
     """
 
     def __init__(
@@ -108,6 +142,8 @@ class WeightSender:
         timeout_s: float = 300.0,
         apply_timeout_s: float | None = None,
         timers: TimerRecorder | None = None,
+        strict: bool = True,
+        allow_nonfinite: bool = False,
     ):
         if not isinstance(group, WorkerGroup):
             raise TypeError(f"group must be a phalanx WorkerGroup, got {type(group).__name__}")
@@ -121,8 +157,13 @@ class WeightSender:
             raise ValueError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")
         if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
             raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+        for flag, value in (("strict", strict), ("allow_nonfinite", allow_nonfinite)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be a bool, got {value!r}")
         check_dtype(dtype)
         check_name_map(name_map)
+        self.strict = strict
+        self.allow_nonfinite = allow_nonfinite
         self.group = group
         self.model = model
         self.transport = transport
@@ -134,18 +175,22 @@ class WeightSender:
         self.apply_timeout_s = apply_timeout_s if apply_timeout_s is not None else self.timeout_s
         self.timers = timers if timers is not None else TimerRecorder()
         self._pending: _Pending | None = None
-        self._segment: _shm.ShmSegment | None = None
+        self._ring = _shm.ShmRing()
         self._store: Any = None
         self._pgs: dict[tuple, tuple[str, Any]] = {}
-        self._last: tuple[int, Any, Any] | None = None  # (version, source, object-store payload)
+        self._last: tuple[int, Any, bool] | None = None  # (version, source, strict)
         self._last_os: tuple[int, Layout, Any] | None = None  # the latest object-store payload
+        self._prepared: tuple[int, Any, bool] | None = None  # the latest send_prepared
         self._os_buffer: torch.Tensor | None = None  # object-store packing buffer, reused
         self._coll_buffers: list[torch.Tensor] = []  # collective double buffer, reused
         self._coll_snapshot: torch.Tensor | None = None  # send_async snapshot, reused
         # Start above whatever the workers already hold (e.g. from an earlier sender).
         self._version = max(self._query_versions(group.actors), default=0)
-        self._remove_hook = group.add_restart_hook(self._restore)
-        self._finalizer = weakref.finalize(self, WeightSender._cleanup, self.__dict__)
+        _shm_files.reap_orphans()  # buffers of senders on this node that died mid-send
+        # The hook holds the sender weakly: a sender nobody uses is collected, and its
+        # finalizer (or close()) removes the hook from the group.
+        remove = group.add_restart_hook(_RestoreHook(weakref.ref(self)))
+        self._finalizer = weakref.finalize(self, WeightSender._cleanup, self.__dict__, remove)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -153,21 +198,47 @@ class WeightSender:
         """The version of the latest send started."""
         return self._version
 
-    def send(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> SyncResult:
-        """Send and block until the chosen workers applied the weights (all workers if None)."""
+    @property
+    def shared_buffers(self) -> list[str]:
+        """Paths of the same-node shared buffers this sender may still write (retired
+        ones, which some receiver may still read, are not listed)."""
+        return self._ring.paths
+
+    @property
+    def pending(self) -> bool:
+        """True while a ``send_async()`` (or ``send_prepared(wait=False)``) awaits ``wait_async()``."""
+        return self._pending is not None
+
+    def send(
+        self,
+        weights: Any = None,
+        worker_ids: int | list[int] | None = None,
+        *,
+        strict: bool | None = None,
+    ) -> SyncResult:
+        """Send and block until the chosen workers applied the weights (all workers if None).
+
+        ``strict`` overrides the sender's setting for this send (see the class docstring).
+        """
         if self._pending is not None:
             raise RuntimeError("send(): a send_async() is pending; call wait_async() first")
-        self._pending = self._start(weights, worker_ids, snapshot=False)
+        self._pending = self._start(weights, worker_ids, snapshot=False, strict=strict)
         return self.wait_async()
 
-    def send_async(self, weights: Any = None, worker_ids: int | list[int] | None = None) -> None:
+    def send_async(
+        self,
+        weights: Any = None,
+        worker_ids: int | list[int] | None = None,
+        *,
+        strict: bool | None = None,
+    ) -> None:
         """Start a send and return at once; ``wait_async()`` completes it.
 
         The weights are snapshot before this returns, so the sender may keep training.
         """
         if self._pending is not None:
             raise RuntimeError("send_async(): a previous send_async() is still pending")
-        self._pending = self._start(weights, worker_ids, snapshot=True)
+        self._pending = self._start(weights, worker_ids, snapshot=True, strict=strict)
 
     def wait_async(self) -> SyncResult:
         """Block until the pending ``send_async()`` was applied; ``RuntimeError`` if none is pending."""
@@ -183,15 +254,75 @@ class WeightSender:
         """Send ``weights`` to every worker and wait (TorchRL's ``update_weights``)."""
         return self.send(weights)
 
+    def send_prepared(
+        self,
+        transport: str,
+        layout: Layout,
+        payload: Any,
+        worker_ids: int | list[int] | None = None,
+        *,
+        strict: bool | None = None,
+        wait: bool = True,
+        beside_calls: bool = True,
+    ) -> SyncResult | None:
+        """Apply a new version whose bytes another process already placed.
+
+        For refits, where the trainer's own ranks write the weights: ``transport`` is the
+        receiver half that reads them, ``payload`` what it reads: ``"shm"``:
+        ``{"path": segment}`` (a segment the writer keeps until its next version; the
+        receivers copy from it), ``"cuda_ipc"``: a ``comm.cuda_ipc`` handle, or
+        ``"collective"``: ``{"key", "bucket_bytes"}`` of a weights process group the
+        receivers joined (``receiver.collective_join_op``), whose rank 0 broadcasts the
+        stream. ``wait=False`` returns at once (``wait_async()`` completes it), so the
+        caller can start the broadcast. ``beside_calls=False`` receives through the
+        group's ordinary call path (``group.apply``) instead of beside the method in flight:
+        a busy worker then takes part only once its call ends (a refit broadcast then
+        times out on it rather than wait). Versioning, validation, atomic apply and the
+        ``SyncResult`` are those of ``send``; a restarted worker gets the last ``shm`` or
+        ``cuda_ipc`` version again, while a ``collective`` one is not kept.
+        """
+        if transport not in ("shm", "cuda_ipc", "collective"):
+            raise ValueError(
+                f"transport must be 'shm', 'cuda_ipc' or 'collective', got {transport!r}"
+            )
+        if not isinstance(layout, Layout):
+            raise TypeError(f"layout must be a weights Layout, got {type(layout).__name__}")
+        if strict is not None and not isinstance(strict, bool):
+            raise TypeError(f"strict must be a bool or None, got {strict!r}")
+        if self._pending is not None:
+            raise RuntimeError("send_prepared(): a send is pending; call wait_async() first")
+        strict = self.strict if strict is None else strict
+        ranks = self._ranks(worker_ids)
+        self._version += 1
+        if transport == "shm":
+            payload = {**payload, "ring": False}
+        p = _Pending(self._version, ranks, transport, {}, layout, [], time.perf_counter(), {})
+        p.strict, p.prepared = strict, True
+        p.routes = dict.fromkeys(ranks, transport)
+        if beside_calls:
+            for r in ranks:
+                p.refs[r] = self._apply_remote(r, transport, p.version, layout, payload, strict)
+        else:
+            args = (transport, p.version, layout, payload, self.apply_timeout_s, strict)
+            handle = self.group.apply(
+                _recv.apply_op, [(r, args, {}) for r in ranks], label="apply_weights"
+            )
+            p.refs.update(zip(handle.ranks, handle.refs))
+        replay = None if transport == "collective" else (transport, layout, payload)
+        self._prepared = (p.version, replay, strict)
+        self._pending = p
+        return self.wait_async() if wait else None
+
     def close(self) -> None:
-        """Release the shared-memory segment, the process groups and the last snapshot."""
+        """Release the shared buffers, the process groups, the last snapshot and the
+        group's restart hook (a closed sender re-sends nothing)."""
         if self._pending is not None:
             self.wait_async()
-        WeightSender._cleanup(self.__dict__)
+        self._finalizer()
 
     # ------------------------------------------------------------------ internals
     def _query_versions(self, actors: list[Any]) -> list[int]:
-        refs = [a._px_weights.remote("version") for a in actors]
+        refs = [a.px_side_call.remote(_recv.version_op) for a in actors]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=30)
         out = []
         for r in ready:
@@ -228,16 +359,24 @@ class WeightSender:
             weights = self.model
         return to_named_tensors(weights)
 
-    def _start(self, weights: Any, worker_ids: Any, snapshot: bool) -> _Pending:
+    def _start(
+        self, weights: Any, worker_ids: Any, snapshot: bool, strict: bool | None = None
+    ) -> _Pending:
+        if strict is not None and not isinstance(strict, bool):
+            raise TypeError(f"strict must be a bool or None, got {strict!r}")
+        strict = self.strict if strict is None else strict
         ranks = self._ranks(worker_ids)
         t0 = time.perf_counter()
         with self.timers.span("weights/gather"):
             named = self._named(weights)
             layout, sources = gather(named, name_map=self.name_map, dtype=self.dtype)
+            if not self.allow_nonfinite:
+                check_finite(layout, sources)
         timings = {"gather": time.perf_counter() - t0}
         self._version += 1
         version = self._version
         pending = _Pending(version, ranks, self.transport, {}, layout, sources, t0, timings)
+        pending.strict = strict
         if self.transport == "collective":
             pending.routes = dict.fromkeys(ranks, "collective")
             self._start_collective(pending, snapshot)
@@ -249,17 +388,22 @@ class WeightSender:
             for r in ranks:
                 kind, payload = payloads[r]
                 pending.routes[r] = kind
-                pending.refs[r] = self._apply_remote(r, kind, version, layout, payload)
-        # What the fault layer needs to re-sync a restarted worker to this version.
-        self._last = (version, weights if weights is not None else self.model, None)
+                pending.refs[r] = self._apply_remote(r, kind, version, layout, payload, strict)
+        pending.source = weights if weights is not None else self.model
         return pending
 
     def _apply_remote(
-        self, rank: int, kind: str, version: int, layout: Layout, payload: Any
+        self,
+        rank: int,
+        kind: str,
+        version: int,
+        layout: Layout,
+        payload: Any,
+        strict: bool = True,
     ) -> Any:
         actor = self.group.actors[rank]
-        return actor._px_weights.remote(
-            "apply", kind, version, layout, payload, self.apply_timeout_s
+        return actor.px_side_call.remote(
+            _recv.apply_op, kind, version, layout, payload, self.apply_timeout_s, strict
         )
 
     def _route(self, ranks: list[int], sources: list[torch.Tensor]) -> dict[int, str]:
@@ -295,8 +439,8 @@ class WeightSender:
             p.keep = flat
             payloads["cuda_ipc"] = cuda_ipc.ipc_handle(flat)
         if "shm" in kinds:
-            self._segment = _shm.pack_to_shm(p.layout, p.sources, self._segment)
-            payloads["shm"] = {"name": self._segment.name}
+            payloads["shm"] = self._ring.write(p.layout, p.sources, p.version)
+            p.ring_path = payloads["shm"]["path"]
         if "object_store" in kinds:
             payloads["object_store"] = self._put(p.layout, p.sources)
             p.keep = (p.keep, payloads["object_store"])
@@ -321,17 +465,22 @@ class WeightSender:
         ident = (backend, tuple(ranks), tuple(actors[r]._actor_id.hex() for r in ranks))
         if ident in self._pgs:
             return self._pgs[ident]
-        import torch.distributed as dist
-
         addr = ray.util.get_node_ip_address()
         if self._store is None:
-            self._store = dist.TCPStore(addr, 0, None, True, wait_for_workers=False)
+            self._store = host_store(addr, self.timeout_s)
         key = uuid.uuid4().hex[:12]
         world = len(ranks) + 1
         timeout = min(self.timeout_s, 120.0)
         joins = [
-            actors[r]._px_weights.remote(
-                "collective_join", key, addr, self._store.port, world, i + 1, backend, timeout
+            actors[r].px_side_call.remote(
+                _recv.collective_join_op,
+                key,
+                addr,
+                self._store.port,
+                world,
+                i + 1,
+                backend,
+                timeout,
             )
             for i, r in enumerate(ranks)
         ]
@@ -350,7 +499,7 @@ class WeightSender:
         key, pg = self._process_group(alive, backend)
         payload = {"key": key, "bucket_bytes": self.bucket_bytes}
         for r in alive:
-            p.refs[r] = self._apply_remote(r, "collective", p.version, p.layout, payload)
+            p.refs[r] = self._apply_remote(r, "collective", p.version, p.layout, payload, p.strict)
         if snapshot:
             # The sender keeps training: copy once into a snapshot kept between sends,
             # then broadcast from it in a thread (large tensors straight from its views).
@@ -402,16 +551,17 @@ class WeightSender:
         result.failed.update(p.timings.pop("_dead", {}) or {})  # type: ignore[arg-type]
         mismatches: dict[int, BaseException] = {}
         acks = self._collect(p.refs, deadline, result, mismatches)
-        if self._segment is not None and any(p.routes.get(r) == "shm" for r in result.failed):
-            # A worker that did not answer may still read the segment later: the next
-            # send writes a new one rather than overwrite what it would read.
-            self._segment.unlink()
-            self._segment = None
+        if p.ring_path is not None:
+            # A worker that did not answer may still read the buffer later: it is retired
+            # (never rewritten) rather than overwrite what it would read.
+            holds = {r: a.get("holds") for r, a in acks.items()}
+            unanswered = [r for r in result.failed if p.routes.get(r) == "shm"]
+            self._ring.settle(p.ring_path, holds, unanswered)
         broke = p.thread_error or (p.thread and p.thread.is_alive())
         errored = [
             r for r, why in result.failed.items() if r not in mismatches and _LATE not in why
         ]
-        if p.transport == "collective" and (broke or errored):
+        if p.transport == "collective" and not p.prepared and (broke or errored):
             # The broadcast broke (a receiver died mid-way) or a receiver failed in it (it
             # may be torn): drop the groups, re-send the same version to the survivors
             # through the object store.
@@ -429,7 +579,7 @@ class WeightSender:
             if alive:
                 payload = self._put(p.layout, p.sources)
                 refs = {
-                    r: self._apply_remote(r, "object_store", p.version, p.layout, payload)
+                    r: self._apply_remote(r, "object_store", p.version, p.layout, payload, p.strict)
                     for r in alive
                 }
                 result.routes.update(dict.fromkeys(alive, "object_store"))
@@ -444,9 +594,19 @@ class WeightSender:
         result.timings["total"] = time.perf_counter() - p.t0
         self.timers._totals["weights/transfer"] += result.timings.get("transfer", 0.0)
         self.timers._totals["weights/apply"] += result.timings.get("apply", 0.0)
+        if not mismatches and not p.prepared:
+            # What the fault layer needs to re-sync a restarted worker to this version.
+            self._last = (p.version, p.source, p.strict)
         if mismatches:
-            rank, err = sorted(mismatches.items())[0]
-            exc = WeightMismatchError(f"worker {rank} of group {self.group.name}: {err}")
+            no_model = sorted(r for r, e in mismatches.items() if isinstance(e, NoModelError))
+            if no_model:
+                exc: WeightMismatchError = NoModelError(
+                    f"workers {no_model} of group {self.group.name} hold no model to receive "
+                    f"weights: {mismatches[no_model[0]]}"
+                )
+            else:
+                rank, err = sorted(mismatches.items())[0]
+                exc = WeightMismatchError(f"worker {rank} of group {self.group.name}: {err}")
             exc.result = result  # type: ignore[attr-defined]
             raise exc
         return result
@@ -481,6 +641,9 @@ class WeightSender:
                 continue
             acks[r] = ack
             result.failed.pop(r, None)
+            result.routes[r] = ack.get("route", result.routes.get(r, ""))
+            if ack.get("missing"):
+                result.missing[r] = list(ack["missing"])
             (result.applied if ack["status"] == "applied" else result.ignored).append(r)
         result.applied.sort()
         result.ignored.sort()
@@ -491,7 +654,7 @@ class WeightSender:
             for r, actor_id in zip(ident[1], ident[2]):
                 actors = self.group.actors
                 if r < len(actors) and actors[r]._actor_id.hex() == actor_id:
-                    actors[r]._px_weights.remote("collective_drop", key)
+                    actors[r].px_side_call.remote(_recv.collective_drop_op, key)
         self._pgs.clear()
 
     # -- fault tolerance ----------------------------------------------------------------
@@ -502,11 +665,15 @@ class WeightSender:
         not kept, the weights are taken again from the last source (the model or the
         weights object given), so they are its current values.
         """
-        if self._last is None:
-            return
+        self._ring.forget(ranks)  # new processes: they view no buffer
         if self._pending is not None:
             self.wait_async()
-        version, source, _ = self._last
+        if self._prepared is not None and self._prepared[0] == self._version:
+            self._restore_prepared(list(ranks))
+            return
+        if self._last is None:
+            return
+        version, source, strict = self._last
         last_os = self._last_os
         if last_os is not None and last_os[0] == version:
             _, layout, payload = last_os
@@ -514,7 +681,10 @@ class WeightSender:
             layout, sources = gather(self._named(source), name_map=self.name_map, dtype=self.dtype)
             payload = self._put(layout, sources)
         ranks = self._ranks(list(ranks))
-        refs = {r: self._apply_remote(r, "object_store", version, layout, payload) for r in ranks}
+        refs = {
+            r: self._apply_remote(r, "object_store", version, layout, payload, strict)
+            for r in ranks
+        }
         result = SyncResult(
             version, transport="object_store", routes=dict.fromkeys(ranks, "object_store")
         )
@@ -524,17 +694,68 @@ class WeightSender:
                 f"weights restore to ranks {sorted(result.failed)} failed: {result.failed}"
             )
 
+    def _restore_prepared(self, ranks: list[int]) -> None:
+        version, replay, strict = self._prepared
+        if replay is None:
+            return  # a broadcast is not kept: the caller restores (e.g. llm.refit)
+        transport, layout, payload = replay
+        ranks = self._ranks(ranks)
+        refs = {
+            r: self._apply_remote(r, transport, version, layout, payload, strict) for r in ranks
+        }
+        result = SyncResult(version, transport=transport, routes=dict.fromkeys(ranks, transport))
+        self._collect(refs, time.perf_counter() + self.timeout_s, result, {})
+        if result.failed:
+            raise RuntimeError(
+                f"weights restore to ranks {sorted(result.failed)} failed: {result.failed}"
+            )
+
     @staticmethod
-    def _cleanup(state: dict[str, Any]) -> None:
-        seg = state.get("_segment")
-        if seg is not None:
-            seg.unlink()
-            state["_segment"] = None
+    def _cleanup(state: dict[str, Any], remove_hook: Any) -> None:
+        remove_hook()
+        ring = state.get("_ring")
+        if ring is not None:
+            ring.close()
+        _shm_files.reap_orphans()
         state["_pgs"] = {}
         state["_last_os"] = None
         state["_os_buffer"] = None
         state["_coll_buffers"] = []
         state["_coll_snapshot"] = None
+
+
+class _RestoreHook:
+    """The group's restart hook for one sender, holding it weakly."""
+
+    def __init__(self, ref: weakref.ref):
+        self._ref = ref
+
+    def __call__(self, ranks: list[int]) -> None:
+        sender = self._ref()
+        if sender is not None:
+            sender._restore(ranks)
+
+
+def check_finite(layout: Layout, sources: list[torch.Tensor]) -> None:
+    """Raise ``ValueError`` naming the first floating-point tensor holding NaN or Inf.
+
+    One reduction per tensor (a sum is NaN/Inf when any element is); only a tensor whose
+    sum is not finite is checked element by element, since a sum of large finite values
+    may overflow.
+    """
+    for spec, t in zip(layout.specs, sources):
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+        if bool(torch.isfinite(t.sum(dtype=acc))):
+            continue
+        bad = ~torch.isfinite(t)
+        if bool(bad.any()):
+            n = int(bad.sum())
+            raise ValueError(
+                f"weights: {spec.name!r} holds {n} NaN/Inf value(s) of {t.numel()}; nothing was "
+                "sent (pass allow_nonfinite=True to send them anyway)"
+            )
 
 
 def ping(
@@ -574,9 +795,11 @@ class RayModuleTransformSender(WeightSender):
         super().__init__(target, model, **kwargs)
         self.worker_id = self._ranks(worker_id)[0]
 
-    def _start(self, weights: Any, worker_ids: Any, snapshot: bool) -> _Pending:
+    def _start(
+        self, weights: Any, worker_ids: Any, snapshot: bool, strict: bool | None = None
+    ) -> _Pending:
         return super()._start(
-            weights, self.worker_id if worker_ids is None else worker_ids, snapshot
+            weights, self.worker_id if worker_ids is None else worker_ids, snapshot, strict
         )
 
     def update_weights(self, weights: Any) -> SyncResult:

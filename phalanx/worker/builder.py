@@ -9,13 +9,16 @@ kwargs, and creates the worker.
 Environment of a worker, lowest precedence first:
 
 1. allowlisted variables of the driver (``ENV_ALLOWLIST``, ``ENV_ALLOWLIST_PREFIXES``);
-2. env vars returned by the class's ``configure_worker(...)``;
-3. the builder's ``with_runtime_env(env_vars=...)``;
-4. the group's ``env_vars=`` (``launch(..., env_vars=)`` / ``RayWorkerGroup(..., env_vars=)``);
-5. phalanx's rank variables (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
-   NODE_RANK, PHALANX_GROUP): setting one of them in 2-4 is a ``ValueError``.
+2. the builder's ``with_runtime_env(env_vars=...)``;
+3. the group's ``env_vars=`` (``launch(..., env_vars=)`` / ``RayWorkerGroup(..., env_vars=)``);
+4. env vars returned by the class's ``configure_worker(...)``: as in NeMo-RL, what the
+   worker class says it needs wins over what the group was given;
+5. phalanx's rank variables (``RANK_ENV_KEYS``: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+   MASTER_PORT, NODE_RANK, ...): setting one of them in 2-4 is a ``ValueError`` (NeMo-RL
+   lets ``configure_worker`` overwrite them; phalanx refuses, since a worker whose RANK
+   disagrees with its group's dispatch silently breaks collectives).
 
-The rest of the driver's environment is not copied.
+Unlike NeMo-RL, the rest of the driver's environment is not copied.
 """
 
 from __future__ import annotations
@@ -129,7 +132,7 @@ def _create_host(
         if rest and rest[0]:
             options["runtime_env"] = _merge(options.get("runtime_env", {}), rest[0])
     allow, builder_env, group_env = env_layers
-    env = {**allow, **configure_env, **builder_env, **group_env}
+    env = {**allow, **builder_env, **group_env, **configure_env}
     runtime_env = dict(options.pop("runtime_env", None) or {})
     runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **env}
     if placement_group is not None:

@@ -26,11 +26,19 @@ import ray
 from phalanx._base import trace as _trace
 from phalanx._base.errors import WorkerError
 from phalanx._base.timing import TimerRecorder
-from phalanx.weights.lock import holds_model_lock
+from phalanx.comm import shm
+from phalanx.worker.call_lock import holds_call_lock
 from phalanx.worker.worker import BASE_ATTRIBUTES, Worker, WorkerContext
 
 CONTROL_GROUP = "_px_control"
-WEIGHTS_GROUP = "_px_weights"  # weight transfers run here; applying waits for calls to end
+WEIGHTS_GROUP = "_px_weights"  # side calls (weight transfers) run here, beside user calls
+
+
+def _worker_of(host: WorkerHost) -> Any:
+    return host._obj
+
+
+holds_model_lock = holds_call_lock(_worker_of)
 
 
 def load_class(cls_or_fqn: Any) -> type:
@@ -82,6 +90,7 @@ class WorkerHost:
         self._current: tuple[str, float] | None = None
         self._started_at = time.time()
         self._exiting = threading.Event()  # set when a method calls sys.exit (see _px_watch)
+        shm.reap_orphans()  # segments of processes on this node that died without cleaning up
         cls = load_class(cls_or_fqn)
         self._cls = cls
         self._kinds = method_kinds(cls)
@@ -182,11 +191,17 @@ class WorkerHost:
         return self._timers.consume()
 
     @ray.method(concurrency_group=WEIGHTS_GROUP)
-    def _px_weights(self, op: str, *args: Any) -> Any:
-        """Weight sync on this worker (see ``phalanx.weights.receiver``)."""
-        from phalanx.weights.receiver import handle
+    def px_side_call(self, _px_fn__: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run ``fn(worker, *args, **kwargs)`` beside the method call in flight.
 
-        return handle(self, op, *args)
+        The public way for a higher layer to reach a busy worker: it runs in its own
+        concurrency group (two at a time) and does *not* hold the call lock, so it may
+        move bytes while a method runs; to change what methods see it takes
+        ``phalanx.worker.call_lock.call_lock(worker).write()``, which waits for the calls
+        in flight to end. The weights layer receives weights this way. Exceptions
+        propagate unchanged (the caller inspects their type).
+        """
+        return _px_fn__(self._obj, *args, **kwargs)
 
     # -- control (own concurrency group) ------------------------------------------------
     @ray.method(concurrency_group=CONTROL_GROUP)

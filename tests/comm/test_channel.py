@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import queue
 import time
 
@@ -40,13 +42,35 @@ class Consumer(px.Worker):
         ch.put("from a worker")
         return ch.qsize()
 
-    def wait_get(self, name):
+    def wait_get(self, name, marker):
         ch = self.connect_channel(name)
+        work = ch.get(key="never", async_op=True)
+        with open(marker, "w") as f:
+            f.write("posted")
         try:
-            ch.get(key="never")
+            work.wait()
         except Exception as e:  # noqa: BLE001 - returned for the test
             return type(e).__name__, str(e)
         return None, ""
+
+    def rlinf_create(self, channel_name):
+        ch = self.create_channel(channel_name=channel_name, node_rank=0, maxsize=2)
+        ch.put("affinity_item", 1)
+        return ch.maxsize, ch.qsize()
+
+    def put_into(self, channel, item):
+        try:
+            channel.put(item)
+        except Exception as e:  # noqa: BLE001 - returned for the test
+            return type(e).__name__, str(e)
+        return None, ""
+
+
+def _wait_for_file(path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} was not written within {timeout}s"
+        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -73,18 +97,36 @@ def test_fifo_order_over_1000_items(ch):
     assert ch.empty(key="fifo")
 
 
-def test_get_batch_weight_semantics(ch):
-    for item, w in [("a", 1), ("b", 2), ("c", 3), ("d", 1), ("e", 5)]:
-        ch.put(item, key="w", weight=w)
-    assert ch.get_batch(3, key="w") == ["a", "b"]  # 1 + 2 reaches 3
-    assert ch.get_batch(2, key="w") == ["c"]  # 3 overshoots 2
-    work = ch.get_batch(7, key="w", async_op=True)  # only 6 queued: waits
+def test_get_batch_stops_before_exceeding_the_target(ch):
+    """RLinf: take items while the next does not push the total over the target."""
+    for item, w in [("a", 1), ("b", 2), ("c", 3)]:
+        ch.put(item, w, key="w12")
+    assert ch.get_batch(2, key="w12") == ["a"]  # 1 + 2 would exceed 2
+    assert ch.get_batch(5, key="w12") == ["b", "c"]  # 2 + 3 reaches 5
+    for item, w in [("a", 1), ("b", 2), ("c", 3)]:
+        ch.put(item, w, key="w3")
+    assert ch.get_batch(target_weight=3, key="w3") == ["a", "b"]  # RLinf's own test
+    assert ch.get(key="w3") == "c"
+    ch.put("heavy", 4, key="w4")
+    assert ch.get_batch(3, key="w4") == []  # the first item alone exceeds the target
+    assert ch.qsize(key="w4") == 1
+    # An empty key is waited on; items taken so far are held until the target is reached.
+    work = ch.get_batch(4, key="wait", async_op=True)
+    ch.put("d", 1, key="wait")
     time.sleep(0.3)
     assert not work.done()
-    ch.put("f", key="w", weight=1)
-    assert work.wait(timeout=30) == ["d", "e", "f"]
+    ch.put("e", 3, key="wait")
+    assert work.wait(timeout=30) == ["d", "e"]
     with pytest.raises(ValueError, match="target_weight"):
-        ch.get_batch(0, key="w")
+        ch.get_batch(-1, key="w")
+
+
+def test_put_with_weight_positionally_goes_to_the_default_key(ch):
+    """RLinf's order is put(item, weight, key): put(x, 3) then get() returns x."""
+    ch.put("x", 3)
+    assert ch.get(timeout=30) == "x"
+    ch.put_nowait("y", 2)
+    assert ch.get_batch(2) == ["y"]
 
 
 def test_keys_are_isolated(ch):
@@ -97,10 +139,61 @@ def test_keys_are_isolated(ch):
 
 
 def test_nowait_variants(ch):
-    with pytest.raises(queue.Empty, match="nowait_key"):
+    with pytest.raises(asyncio.QueueEmpty, match="nowait_key"):
+        ch.get_nowait(key="nowait_key")
+    with pytest.raises(queue.Empty):  # also the standard library's queue exception
         ch.get_nowait(key="nowait_key")
     ch.put_nowait(5, key="nowait_key")
     assert ch.get_nowait(key="nowait_key") == 5
+
+
+def test_get_timeout_withdraws_the_get(ch):
+    with pytest.raises(TimeoutError):
+        ch.get(key="late", timeout=0.2)
+    ch.put("kept", key="late")
+    assert ch.get(key="late", timeout=30) == "kept"  # not handed to the withdrawn get
+    assert ch.empty(key="late")
+
+
+def test_print_shows_items_per_key(cluster):
+    c = px.create_channel(channel_name="print_chan")
+    try:
+        for item in ["item1", "item2", "item3"]:
+            c.put(item)
+        c.put("other", key="k2")
+        text = str(c)
+        assert "'default_queue': ['item1', 'item2', 'item3']" in text and "'k2': ['other']" in text
+        assert c.qsize() == 3  # nothing taken
+    finally:
+        c.close()
+
+
+def test_rlinf_creation_signatures(groups):
+    _, c = groups
+    assert c.execute_on(0).rlinf_create("rlinf_kw_chan").wait(timeout=120) == [(2, 1)]
+    ch = px.connect_channel(channel_name="rlinf_kw_chan")
+    assert ch.get() == "affinity_item"
+    ch.close()
+    positional = px.Channel.create("rlinf_pos_chan", 0, 5)  # (name, node_rank, maxsize)
+    assert positional.maxsize == 5
+    positional.close()
+    with pytest.raises(NotImplementedError, match="distributed"):
+        px.create_channel("dist_chan", distributed=True)
+    with pytest.raises(ValueError, match="node_rank"):
+        px.create_channel("bad_rank_chan", node_rank=-1)
+
+
+def test_put_after_close_raises(groups):
+    _, c = groups
+    closed = px.create_channel("closed_chan")
+    closed.put("before")
+    closed.close()
+    with pytest.raises(px.comm.ChannelClosedError, match="closed_chan"):
+        closed.put("after")
+    with pytest.raises(px.comm.ChannelClosedError, match="closed_chan"):
+        closed.get()
+    kind, message = c.execute_on(0).put_into(closed, "from a worker").wait(timeout=60)[0]
+    assert kind == "ChannelClosedError" and "closed_chan" in message
 
 
 def test_blocked_get_does_not_starve_puts(ch):
@@ -121,7 +214,7 @@ def test_maxsize_back_pressure(cluster):
         ch.put(1)
         ch.put(2)
         assert ch.full() and ch.qsize() == 2
-        with pytest.raises(queue.Full, match="bounded_chan"):
+        with pytest.raises(asyncio.QueueFull, match="bounded_chan"):
             ch.put_nowait(3)
         blocked = ch.put(3, async_op=True)
         time.sleep(0.3)
@@ -167,11 +260,12 @@ def test_channel_created_in_a_worker(groups):
     assert ch.maxsize == 3 and ch.get() == "from a worker"
 
 
-def test_channel_death_fails_a_waiting_get(groups, cluster):
+def test_channel_death_fails_a_waiting_get(groups, cluster, tmp_path):
     _, c = groups
     doomed = px.create_channel("doomed_chan")
-    h = c.execute_on(1).wait_get("doomed_chan")
-    time.sleep(1.5)
+    marker = tmp_path / "posted"
+    h = c.execute_on(1).wait_get("doomed_chan", str(marker))
+    _wait_for_file(marker)
     ray.kill(ray.get_actor("px-channel:doomed_chan", namespace="phalanx"), no_restart=True)
     err_type, message = h.wait(timeout=90)[0]
     assert err_type == "PeerDiedError" and "doomed_chan" in message

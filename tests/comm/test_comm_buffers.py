@@ -91,3 +91,78 @@ def test_receive_buffers_come_back_when_their_tensors_are_freed():
     assert pool.take(MB).data_ptr() == ptr
     small = pool.take(1024)
     assert small.numel() == 1024 and not pool._items[0].busy
+
+
+_OWNER_SCRIPT = """
+import sys, torch
+from phalanx.comm import shm
+pool = shm.SegmentPool()
+ref, _ = pool.write([torch.ones(1 << 20, dtype=torch.uint8)])
+seg = shm.Segment.create(1 << 20, tag="w")
+print(ref.path, seg.path, flush=True)
+sys.stdin.read()  # killed while it holds both
+"""
+
+
+def test_segments_of_a_killed_owner_are_reaped_and_live_ones_kept():
+    import signal
+    import subprocess
+    import sys
+
+    mine = shm.Segment.create(4096, tag="w")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _OWNER_SCRIPT],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        paths = proc.stdout.readline().split()
+        assert len(paths) == 2, paths
+        pool_path, seg_path = paths
+        assert os.path.basename(pool_path).startswith(f"px_pool_{proc.pid}-")
+        assert os.path.basename(seg_path).startswith(f"px_w_{proc.pid}-")
+        assert shm.owner_alive(seg_path) and seg_path not in shm.reap_orphans()
+        assert os.path.exists(pool_path) and os.path.exists(seg_path)
+        os.kill(proc.pid, signal.SIGKILL)  # no chance to clean up
+        proc.wait(timeout=30)
+        assert os.path.exists(pool_path) and os.path.exists(seg_path)  # left behind
+        assert not shm.owner_alive(seg_path)
+        reaped = shm.reap_orphans()
+        assert {pool_path, seg_path} <= set(reaped)
+        assert not os.path.exists(pool_path) and not os.path.exists(seg_path)
+        assert os.path.exists(mine.path) and mine.path not in reaped  # its owner is alive
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        mine.unlink()
+
+
+def test_owner_token_survives_pid_reuse():
+    """A name whose pid is alive but whose start time differs belongs to a dead process."""
+    token = shm.owner_token()
+    pid, start = token.split("-")
+    assert int(pid) == os.getpid()
+    stale = os.path.join(shm.SHM_DIR, f"px_w_{pid}-{int(start) + 1}_0")
+    assert not shm.owner_alive(stale)
+    assert shm.owner_alive(os.path.join(shm.SHM_DIR, f"px_w_{token}_0"))
+    assert shm.owner_alive("/dev/shm/not_phalanx")  # not ours to judge
+
+
+def test_segment_attach_and_read_only_mapping():
+    seg = shm.Segment.create(1000, tag="t")
+    try:
+        seg.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            reader = shm.Segment.attach(seg.name, populate=True, writable=False)
+        assert reader.size == 1000 and reader.path == seg.path
+        assert reader.tensor[:4].tolist() == [1, 2, 3, 4]
+        seg.tensor[0] = 9  # the writer's change is seen through the reader's mapping
+        assert int(reader.tensor[0]) == 9
+        with pytest.raises(ValueError, match="not a shared-memory segment name"):
+            shm.Segment.attach("/tmp/elsewhere")
+    finally:
+        seg.unlink()

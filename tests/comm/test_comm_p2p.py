@@ -36,6 +36,18 @@ def _payloads() -> list:
     ]
 
 
+def _wait_for_file(path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} was not written within {timeout}s"
+        time.sleep(0.01)
+
+
+def _split(name: str) -> tuple[str, int]:
+    group, _, rank = name.rpartition(":")
+    return group, int(rank)
+
+
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return (
@@ -113,20 +125,64 @@ class CommWorker(px.Worker):
             return f"timeout: {e}"
         return "received"
 
-    def recv_error(self, group, rank, async_wait=False):
+    def recv_error(self, group, rank, async_wait=False, marker=None):
+        """Receive from the peer; returns the error it ends with (``marker``: written once posted)."""
         t0 = time.monotonic()
         try:
+            work = self.recv(group, rank, async_op=True)
+            if marker:
+                with open(marker, "w") as f:
+                    f.write("posted")
             if async_wait:
-                work = self.recv(group, rank, async_op=True)
                 asyncio.run(work.async_wait())
             else:
-                self.recv(group, rank)
+                work.wait()
         except Exception as e:  # noqa: BLE001 - returned for the test to inspect
             return type(e).__name__, str(e), time.monotonic() - t0
         return None, "", time.monotonic() - t0
 
-    def bcast(self, obj, groups, src_group=None, src_rank=None):
-        return self.broadcast(obj, groups, src_group, src_rank)
+    def bcast(self, obj, groups, src=None, async_op=False):
+        """RLinf's convention: every member calls with the same groups and src."""
+        out = self.broadcast(obj, groups=groups, src=src, async_op=async_op)
+        return out.wait(timeout=60) if async_op else out
+
+    def bcast_error(self, obj, groups, src=None):
+        try:
+            self.broadcast(obj, groups=groups, src=src)
+        except Exception as e:  # noqa: BLE001 - returned for the test
+            return type(e).__name__, str(e)
+        return None, ""
+
+    def all_pairs(self, members):
+        """Send this worker's name to every other member and receive theirs."""
+        me = self.worker_address.get_name()
+        others = [m for m in members if m != me]
+        recvs = {m: self.recv(*_split(m), async_op=True) for m in others}
+        sends = [self.send(me, *_split(m), async_op=True) for m in others]
+        for w in sends:
+            w.wait(timeout=60)
+        return {m: w.wait(timeout=60) for m, w in recvs.items()}
+
+    def bcast_keep_maps(self, obj, groups, src=None):
+        """Broadcast, keep the result, and list the broadcast segments this process maps."""
+        import gc
+
+        gc.collect()
+        self._kept = self.broadcast(obj, groups=groups, src=src)
+        inodes = set()
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 6 and "px_bcast_" in parts[5]:
+                    inodes.add(int(parts[4]))
+        return sorted(inodes), float(self._kept["big"].sum())
+
+    def send_pb(self, obj, payload, group, rank):
+        self.send(obj, group, rank, piggyback_payload=payload, options=None)
+        return True
+
+    def recv_opts(self, group, rank):
+        return self.recv(group, rank, False, None)
 
     def allreduce(self, members, value):
         from phalanx.comm.collective import get_group
@@ -337,14 +393,80 @@ def test_unknown_group_or_rank_is_a_clear_error(pair):
         p2p.send(1, 3, 0)
 
 
-def test_broadcast_to_another_group(pair):
+def _rlinf_bcast(groups_of, groups, src, obj, async_op):
+    """Every member calls broadcast with the same arguments; only the source passes obj."""
+    first_group, first_ranks = groups_of[0]
+    src_name = f"{src[0]}:{src[1]}" if src else f"{first_group.name}:{first_ranks[0]}"
+    handles = []
+    for g, ranks in groups_of:
+        for r in ranks:
+            mine = obj if f"{g.name}:{r}" == src_name else None
+            handles.append(g.execute_on(r).bcast(mine, groups, src, async_op))
+    return [h.wait(timeout=120)[0] for h in handles]
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+@pytest.mark.parametrize("size", [3, 4])
+def test_rlinf_broadcast_then_clean_pairs(pair, size, async_op):
     a, b = pair
-    obj = {"w": torch.arange(8.0), "step": 3}
-    hb = b.bcast(None, None, "comm_a", 0)
-    ha = a.execute_on(0).bcast(obj, [("comm_b", [0, 1])])
-    assert _same(ha.wait(timeout=60)[0], obj)
-    for got in hb.wait(timeout=60):
-        assert _same(got, obj)
+    obj = {"w": torch.arange(8.0), "big": torch.randn(256, 1024), "step": size}
+    if size == 3:
+        groups = [("comm_a", [0, 1]), ("comm_b", 0)]
+        groups_of = [(a, [0, 1]), (b, [0])]
+        src = None  # RLinf: the first address of groups
+    else:
+        groups = [("comm_a", [0, 1]), ("comm_b", [0, 1])]
+        groups_of = [(a, [0, 1]), (b, [0, 1])]
+        src = ("comm_b", 1)
+    got = _rlinf_bcast(groups_of, groups, src, obj, async_op)
+    assert len(got) == size
+    for out in got:
+        assert _same(out, obj)
+    # No stray message left queued: every pair exchanges exactly its names afterwards.
+    members = [f"{g.name}:{r}" for g, ranks in groups_of for r in ranks]
+    handles = [g.execute_on(r).all_pairs(members) for g, ranks in groups_of for r in ranks]
+    for me, h in zip(members, handles):
+        assert h.wait(timeout=120)[0] == {m: m for m in members if m != me}
+
+
+def test_broadcast_on_one_node_shares_one_copy(pair):
+    a, b = pair
+    big = torch.ones(1024, 1024)  # 4 MB: the shared-memory path
+    groups = [("comm_a", [0, 1]), ("comm_b", [0, 1])]
+    readers = [(a, 1), (b, 0), (b, 1)]
+    hs = [g.execute_on(r).bcast_keep_maps(None, groups) for g, r in readers]
+    src = a.execute_on(0).bcast_keep_maps({"big": big}, groups).wait(timeout=120)[0]
+    assert src == ([], float(big.sum()))  # the source keeps its own tensor, maps nothing
+    maps = [h.wait(timeout=120)[0] for h in hs]
+    assert [m[1] for m in maps] == [float(big.sum())] * 3
+    inodes = [m[0] for m in maps]
+    assert len(inodes[0]) == 1 and inodes == [inodes[0]] * 3  # three readers, one file
+    leftovers = [n for n in os.listdir("/dev/shm") if n.startswith("px_bcast_")]
+    assert leftovers == []  # every reader unlinked its name when it mapped it
+
+
+def test_rlinf_broadcast_invalid_calls(pair):
+    a, _ = pair
+    err = a.execute_on(0).bcast_error(1, [("comm_b", [0, 1])]).wait(timeout=60)[0]
+    assert err[0] == "ValueError" and "comm_a:0" in err[1] and "not one of the members" in err[1]
+    err = a.execute_on(0).bcast_error(1, [("comm_a", [0, 1])], ("comm_b", 0)).wait(timeout=60)[0]
+    assert err[0] == "ValueError" and "src" in err[1]
+    # phalanx's old form (src_group_name as a str) cannot be mistaken for a valid call
+    err = a.execute_on(0).bcast_error(1, [("comm_a", [0, 1])], "comm_a").wait(timeout=60)[0]
+    assert err[0] == "TypeError" and "src" in err[1]
+    err = a.execute_on(0).bcast_error(1, ("comm_a", [0, 1])).wait(timeout=60)[0]
+    assert err[0] == "TypeError" and "list" in err[1]
+    err = a.execute_on(0).bcast_error(1, None).wait(timeout=60)[0]
+    assert err[0] == "ValueError" and "groups" in err[1]
+    err = a.execute_on(0).bcast_error(1, [("comm_a", [0, 0])]).wait(timeout=60)[0]
+    assert err[0] == "ValueError" and "more than once" in err[1]
+
+
+def test_piggyback_payload_and_options(pair):
+    a, b = pair
+    h = b.execute_on(0).recv_opts("comm_a", 1)
+    assert a.execute_on(1).send_pb({"x": 1}, ("key", 3), "comm_b", 0).wait(timeout=60) == [True]
+    assert h.wait(timeout=60) == [({"x": 1}, ("key", 3))]
 
 
 def test_collective_group_between_groups(pair):
@@ -357,12 +479,13 @@ def test_collective_group_between_groups(pair):
 
 
 @pytest.mark.parametrize("async_wait", [False, True])
-def test_peer_killed_mid_recv_raises_naming_it(pair, cluster, async_wait):
+def test_peer_killed_mid_recv_raises_naming_it(pair, cluster, async_wait, tmp_path):
     a, _ = pair
     name = f"comm_victim_{int(async_wait)}"
     victim = CommWorker.create_group().launch(cluster, px.NodePlacement(num_workers=1), name=name)
-    h = a.execute_on(1).recv_error(name, 0, async_wait)
-    time.sleep(1.0)
+    marker = tmp_path / "posted"
+    h = a.execute_on(1).recv_error(name, 0, async_wait, str(marker))
+    _wait_for_file(marker)
     ray.kill(victim.actors[0], no_restart=True)
     err_type, message, waited = h.wait(timeout=90)[0]
     assert err_type == "PeerDiedError"

@@ -120,10 +120,11 @@ def test_from_batches_of_batched_data_dicts_keeps_subclass() -> None:
 @pytest.mark.parametrize(
     ("batches", "exc", "match"),
     [
-        ([], ValueError, "batches"),
         ({"a": [1]}, TypeError, "batches"),
         ([{"a": [1]}, [1]], TypeError, "batches"),
         ([{"a": [1]}, {"b": [1]}], ValueError, "batches"),
+        # an empty batch may lack keys, but not bring keys the others do not have
+        ([{"a": [1]}, {"a": [], "b": []}], ValueError, "batches\\[1\\]"),
         ([{"a": [1]}, {"a": torch.tensor([1])}], TypeError, "'a'"),
         ([{"a": torch.ones(1, 2)}, {"a": torch.ones(1)}], ValueError, "'a'"),
         ([{"a": torch.ones(1)}, {"a": np.ones(1)}], TypeError, "'a'"),
@@ -133,6 +134,25 @@ def test_from_batches_of_batched_data_dicts_keeps_subclass() -> None:
 def test_from_batches_errors(batches: object, exc: type, match: str) -> None:
     with pytest.raises(exc, match=match):
         BatchedDataDict.from_batches(batches)  # type: ignore[arg-type]
+
+
+def test_from_batches_accepts_empty_list_and_empty_batches_missing_keys() -> None:
+    # NeMo-RL gathers the outputs of empty data-parallel shards this way.
+    out = BatchedDataDict.from_batches([])
+    assert type(out) is BatchedDataDict and dict(out) == {} and out.size == 0
+    full = {"x": torch.tensor([[1, 2], [3, 4]]), "names": ["a", "b"]}
+    empty_no_keys: dict = {}
+    empty_some = {"x": torch.zeros((0, 5), dtype=torch.long)}
+    out = BatchedDataDict.from_batches(
+        [empty_no_keys, full, empty_some, {"x": torch.tensor([[5, 6, 7]]), "names": ["c"]}],
+        pad_value_dict={"x": -1},
+    )
+    assert out["names"] == ["a", "b", "c"]
+    # empty batches do not widen the padding (NeMo-RL pads the rows it gets)
+    assert torch.equal(out["x"], torch.tensor([[1, 2, -1], [3, 4, -1], [5, 6, 7]]))
+    # only empty batches: their keys, concatenated
+    both_empty = BatchedDataDict.from_batches([{"x": torch.zeros(0, 2)}, {"x": torch.zeros(0, 3)}])
+    assert both_empty["x"].shape == (0, 3)
 
 
 # ----------------------------------------------------------------------------- basics
@@ -443,6 +463,22 @@ def test_shard_rejects_inconsistent_batch() -> None:
         BatchedDataDict({"a": [1, 2], "b": [1]}).shard_by_batch_size(1)
 
 
+def test_shard_errors_are_also_nemo_rl_assertion_errors() -> None:
+    # NeMo-RL's tests catch AssertionError with these words; phalanx's callers ValueError.
+    d = BatchedDataDict({"data": torch.arange(10)})
+    with pytest.raises(AssertionError, match="Total batch size.*is not a multiple of batch_size"):
+        d.shard_by_batch_size(shards=2, batch_size=3)
+    d8 = BatchedDataDict({"data": torch.arange(8)})
+    with pytest.raises(AssertionError, match="Batch size.*is not a multiple of shards"):
+        d8.shard_by_batch_size(shards=3, batch_size=4)
+    bad = BatchedDataDict({"a": torch.arange(4), "b": torch.arange(3)})
+    with pytest.raises(AssertionError, match="Batch sizes are not the same across the rollout"):
+        bad.shard_by_batch_size(shards=2, batch_size=2)
+    s = _seq_data([1, 2])
+    with pytest.raises(AssertionError, match=f"{DYN} and {PACK} cannot be passed together"):
+        s.shard_by_batch_size(shards=1, **{DYN: _dyn(8), PACK: _pack(8)})
+
+
 # ----------------------------------------------------------------------------- dynamic batching
 
 
@@ -581,8 +617,9 @@ def test_packing_ffd_vs_mffd_exact() -> None:
     # capacity 30: MFFD puts two small items (6, 7) beside the large 16; FFD puts 9 there
     d = _seq_data([9, 16, 6, 7])
     (ffd,), perm_ffd = d.shard_by_batch_size(1, sequence_packing_args=_pack(30))
-    assert ffd["i"] == [0, 1, 2, 3]
-    assert perm_ffd == [0, 1, 2, 3]
+    # FFD takes sequences longest first (ties: higher index first), as NeMo-RL does
+    assert ffd["i"] == [1, 0, 3, 2]
+    assert perm_ffd == [1, 0, 3, 2]
     assert ffd.micro_batch_indices == [[[0, 2], [2, 4]]]
     assert ffd.micro_batch_lengths == [[25, 13]]
     (mffd,), perm = d.shard_by_batch_size(
@@ -598,14 +635,14 @@ def test_packing_ffd_vs_mffd_exact() -> None:
     assert mbs[0]["input_ids"].shape == (3, 16)  # packing does not truncate
 
 
-def test_packing_deals_bins_evenly_and_round_trips() -> None:
+def test_packing_deals_bin_b_to_shard_b_mod_shards_and_round_trips() -> None:
     d = _seq_data([5, 1, 7, 3, 2, 8, 4, 6])
     shards, perm = d.shard_by_batch_size(2, sequence_packing_args=_pack(10))
-    # FFD bins: {8,2} {7,3} {6,4} {5,1}; dealt heaviest first to the lighter shard
-    assert [s["i"] for s in shards] == [[4, 5, 6, 7], [2, 3, 0, 1]]
+    # FFD bins in order: {8,2} {7,3} {6,4} {5,1}; bin b goes to shard b % 2 (NeMo-RL)
+    assert [s["i"] for s in shards] == [[5, 4, 7, 6], [2, 3, 0, 1]]
     assert [s.micro_batch_indices for s in shards] == [[[[0, 2], [2, 4]]]] * 2
     assert [s.micro_batch_lengths for s in shards] == [[[10, 10]], [[10, 6]]]
-    assert perm == [4, 5, 6, 7, 2, 3, 0, 1]
+    assert perm == [5, 4, 7, 6, 2, 3, 0, 1]
     gathered = BatchedDataDict.from_batches(shards)
     gathered.reorder_data(perm)
     assert _same(gathered, d)
@@ -616,18 +653,26 @@ def test_packing_pad_multiple() -> None:
     (s,), _ = d.shard_by_batch_size(
         1, sequence_packing_args=_pack(8, sequence_length_pad_multiple=4)
     )
-    # padded lengths 4, 4, 8: three can't share, (4, 4) and (8)
-    assert s["i"] == [2, 0, 1]
+    # padded lengths 4, 4, 8: three can't share, (8) and (4, 4)
+    assert s["i"] == [2, 1, 0]
     assert s.micro_batch_lengths == [[8, 8]]
     assert s.micro_batch_indices == [[[0, 1], [1, 3]]]
 
 
-def test_packing_splits_bins_so_every_shard_has_work() -> None:
+def test_packing_moves_single_sequences_so_every_shard_has_work() -> None:
+    # one FFD bin {3,2,1,0}; NeMo-RL's adjustment moves its last sequence to a new bin
     d = _seq_data([1, 1, 1, 1])
     shards, perm = d.shard_by_batch_size(2, sequence_packing_args=_pack(100))
+    assert [s["i"] for s in shards] == [[3, 2, 1], [0]]
+    assert [s.micro_batch_lengths for s in shards] == [[[3]], [[1]]]
+    assert perm == [3, 2, 1, 0]
+    # FFD bins {0} {1,3} {2}: three bins become four by moving 3 out of the fullest bin
+    d = _seq_data([10, 9, 8, 1])
+    shards, perm = d.shard_by_batch_size(2, sequence_packing_args=_pack(10))
     assert [s["i"] for s in shards] == [[0, 2], [1, 3]]
-    assert [s.micro_batch_lengths for s in shards] == [[[2]], [[2]]]
+    assert [s.micro_batch_lengths for s in shards] == [[[10, 8]], [[9, 1]]]
     assert perm == [0, 2, 1, 3]
+    # fewer sequences than shards: an empty bin (NeMo-RL raises) so the idle rank can join
     few = _seq_data([3])
     shards, perm = few.shard_by_batch_size(
         2, allow_uneven_shards=True, sequence_packing_args=_pack(100)
@@ -636,6 +681,40 @@ def test_packing_splits_bins_so_every_shard_has_work() -> None:
     assert shards[1].micro_batch_indices == [[[0, 0]]]
     assert shards[1].micro_batch_lengths == [[0]]
     assert perm == [0]
+
+
+def test_packing_mffd_leftovers_and_microbatch_order() -> None:
+    # capacity 10: bin {6} takes the two 1s in the greedy pass; the 5s become a leftover bin
+    d = _seq_data([6, 1, 1, 5, 5])
+    args = _pack(10, "modified_first_fit_decreasing")
+    (s,), perm = d.shard_by_batch_size(1, sequence_packing_args=args)
+    assert perm == [0, 1, 2, 3, 4] and s.micro_batch_lengths == [[8, 10]]
+    (s,), perm = d.shard_by_batch_size(
+        1, sequence_packing_args={**args, "microbatch_order": "largest_first"}
+    )
+    assert perm == [3, 4, 0, 1, 2] and s.micro_batch_lengths == [[10, 8]]
+    assert s.micro_batch_indices == [[[0, 2], [2, 5]]]
+    with pytest.raises(ValueError, match="microbatch_order.*'smallest'"):
+        d.shard_by_batch_size(1, sequence_packing_args={**args, "microbatch_order": "smallest"})
+
+
+def test_packers_match_nemo_rl_layouts() -> None:
+    from phalanx.data.packing import adjust_bin_count, pack
+
+    # FFD, capacity 10
+    assert pack([4, 8, 1, 4, 2, 1], 10, "first_fit_decreasing") == [[1, 4], [3, 0, 5, 2]]
+    # MFFD, capacity 12: large 8 and 7; medium 5 joins 7; the two 3s do not both fit
+    # beside 8, so the greedy pass adds one 3 and the 1; the other 3 is a leftover bin
+    assert pack([7, 5, 8, 3, 3, 1], 12, "modified_first_fit_decreasing") == [[2, 3, 5], [0, 1], [4]]
+    # the bin-count adjustment pops the last sequence of the bin holding the most
+    assert adjust_bin_count([[0], [1, 2, 3], [4, 5]], min_bin_count=2, bin_count_multiple=2) == [
+        [0],
+        [1, 2],
+        [4, 5],
+        [3],
+    ]
+    with pytest.raises(ValueError, match="exceed the bin capacity"):
+        pack([11], 10, "first_fit_decreasing")
 
 
 @pytest.mark.parametrize("algorithm", ["first_fit_decreasing", "modified_first_fit_decreasing"])
@@ -678,13 +757,3 @@ def test_packing_errors() -> None:
         d.shard_by_batch_size(1, sequence_packing_args={"input_key": "input_ids"})  # type: ignore[typeddict-item]
     with pytest.raises(ValueError, match="max_tokens_per_microbatch"):
         d.shard_by_batch_size(1, sequence_packing_args=_pack(0))
-
-
-def test_packing_deals_each_round_to_the_lightest_shard() -> None:
-    # FFD bins {10} {9,1} {8}; the 3 bins are made 4 by halving the heaviest splittable
-    # one ({9,1}); round 2 then gives 8 to the shard holding 9 and 1 to the one holding 10.
-    d = _seq_data([10, 9, 8, 1])
-    shards, perm = d.shard_by_batch_size(2, sequence_packing_args=_pack(10))
-    assert [s["i"] for s in shards] == [[0, 3], [1, 2]]
-    assert [s.micro_batch_lengths for s in shards] == [[[10, 1]], [[9, 8]]]
-    assert perm == [0, 3, 1, 2]

@@ -59,8 +59,12 @@ def test_foreach_worker_variants(group):
         (1, 1),
         (2, 2),
     ]
-    refs = group.foreach_worker(lambda w: w.worker_index, return_obj_refs=True)
+    refs = group.foreach_worker(
+        lambda w: w.worker_index, return_obj_refs=True, local_env_runner=False
+    )
     assert sorted(ray.get(refs)) == [1, 2]
+    with pytest.raises(ValueError, match="return_obj_refs: the local runner"):
+        group.foreach_worker(lambda w: w.worker_index, return_obj_refs=True)
     with pytest.raises(ValueError, match="remote_worker_ids"):
         group.foreach_worker(lambda w: 1, remote_worker_ids=[0])
 

@@ -61,6 +61,13 @@ class Flaky(px.Worker):
         time.sleep(s)
         return self.rank
 
+    def slow_signal(self, s, signal_dir):
+        """Sleep ``s`` seconds after telling the test (a file) that the call started."""
+        with open(os.path.join(signal_dir, f"started{self.rank}"), "w"):
+            pass
+        time.sleep(s)
+        return self.rank
+
     def stuck_in_sleep_forever(self):
         while True:
             time.sleep(0.05)
@@ -70,9 +77,11 @@ class Flaky(px.Worker):
             self.stuck_in_sleep_forever()
         return self.rank
 
-    def hold_the_gil(self):
+    def hold_the_gil(self, signal_dir):
         import re
 
+        with open(os.path.join(signal_dir, f"started{self.rank}"), "w"):
+            pass
         return bool(re.match(r"(a+)+$", "a" * 64 + "b"))  # exponential, never lets go of the GIL
 
     def exit_now(self, code=3):
@@ -109,6 +118,11 @@ def _until(pred, timeout=60.0):
             return True
         time.sleep(0.02)
     return False
+
+
+def _started(d, *ranks):
+    """Wait until each of ``ranks`` signalled that its call started (``slow_signal``)."""
+    return _until(lambda: all(os.path.exists(os.path.join(d, f"started{r}")) for r in ranks))
 
 
 def _transitions(group, rank):
@@ -156,8 +170,8 @@ def test_kill9_during_call_restarts_with_state(make_group, tmp_path):
     assert g.get_state().wait() == [{"value": 5}] * 3  # the group remembers these
     old_pid = g.worker_metadata[1]["pid"]
     name = g.worker_metadata[1]["name"]
-    h = g.slow(3)
-    time.sleep(0.5)
+    h = g.slow_signal(3, str(tmp_path))
+    assert _started(tmp_path, 0, 1, 2)
     _kill(g, 1)
     with pytest.raises(px.WorkerDiedError) as info:
         h.wait(timeout=60)
@@ -224,8 +238,8 @@ def test_hang_holding_the_gil_is_dumped_with_py_spy(make_group, tmp_path, monkey
         pytest.skip("py-spy is not installed")
     monkeypatch.setenv("PHALANX_HANG_DIR", str(tmp_path / "hangs"))
     g = make_group(1, px.RestartPolicy())
-    h = g.hold_the_gil()
-    time.sleep(0.5)
+    h = g.hold_the_gil(str(tmp_path))
+    assert _started(tmp_path, 0)
     with pytest.raises(px.HangTimeoutError) as info:
         h.wait(timeout=0.5)
     text = _read(info.value.report_path)
@@ -252,17 +266,24 @@ def test_watchdog_prints_report(make_group, tmp_path, monkeypatch):
     g.set_watchdog(0.5, stream=out)
     g.noop().wait()
     g.hang_on(0)
-    assert _until(lambda: g._watchdog.reports)
-    report = g._watchdog.reports[0]
+    assert _until(lambda: g.watchdog.reports)
+    report = g.watchdog.reports[0]
     assert report.pending_ranks == [0] and report.method == "hang_on"
     assert "stuck_in_sleep_forever" in out.getvalue()
-    time.sleep(1.0)
-    assert len(g._watchdog.reports) == 1  # each call is reported once
+    # A second stuck call gets its own report; the first is not reported again meanwhile.
+    g.execute_on(1).hang_on(1)
+    assert _until(lambda: len(g.watchdog.reports) >= 2)
+    assert [(r.method, r.pending_ranks) for r in g.watchdog.reports] == [
+        ("hang_on", [0]),
+        ("hang_on", [1]),
+    ]
     with pytest.raises(ValueError, match="after_s"):
         g.set_watchdog(-1)
 
 
 def test_ignore_failures_finishes_with_fewer_workers(make_group, tmp_path):
+    from ray.exceptions import RayError
+
     g = make_group(3, px.RestartPolicy.never(ignore_failures=True))
     _kill(g, 1)
     assert _until(lambda: g.health()[1] == H.DEAD)
@@ -270,6 +291,15 @@ def test_ignore_failures_finishes_with_fewer_workers(make_group, tmp_path):
     h = g.noop()
     assert h.wait(timeout=60) == [0, 2] and h.skipped == [1]
     assert g.foreach_worker("noop") == [0, 2]
+    # one function per worker: the dead worker's function is dropped, the others run
+    assert g.foreach_worker([lambda w: "f0", lambda w: "f1", lambda w: "f2"]) == ["f0", "f2"]
+    # RLlib's result objects: with healthy_only=False the dead worker's error is a result
+    res = g.foreach_actor(lambda w: w.rank * 10, healthy_only=False)
+    assert [(r.actor_id, r.ok) for r in res] == [(0, True), (1, False), (2, True)]
+    err = [r.get() for r in res if not r.ok][0]
+    assert isinstance(err, px.WorkerDiedError) and isinstance(err, RayError) and err.rank == 1
+    assert [r.get() for r in res.ignore_errors()] == [0, 20]
+    assert [r.actor_id for r in res.ignore_ray_errors()] == [0, 2]
     assert g.foreach_worker(lambda w: w.rank * 10) == [0, 20]
     assert g.foreach_worker_with_id(lambda i, w: (i, w.rank)) == [(0, 0), (2, 2)]
     assert g.num_healthy_workers() == 2 and g.healthy_worker_ids() == [0, 2]
@@ -291,10 +321,10 @@ def test_raise_mode_names_the_rank(make_group):
     assert g.execute_on(0).noop().wait() == [0]
 
 
-def test_died_during_call_ignore_mode_keeps_the_rest(make_group):
+def test_died_during_call_ignore_mode_keeps_the_rest(make_group, tmp_path):
     g = make_group(3, px.RestartPolicy.never(ignore_failures=True))
-    h = g.slow(3)
-    time.sleep(0.5)
+    h = g.slow_signal(3, str(tmp_path))
+    assert _started(tmp_path, 0, 1, 2)
     _kill(g, 2)
     assert h.wait(timeout=60) == [0, 1]
     assert h.skipped == [2]
@@ -377,6 +407,8 @@ def test_weights_restored_after_restart(make_group):
 
 
 def test_foreach_worker_faces(make_group):
+    from ray.exceptions import RayError
+
     g = make_group(2, px.RestartPolicy())
     assert g.foreach_worker(lambda w: w.add(2)) == [2, 2]
     assert g.foreach_worker("add", kwargs={"k": 1}) == [3, 3]
@@ -387,6 +419,17 @@ def test_foreach_worker_faces(make_group):
     assert ray.get(refs) == [0, 1]
     with pytest.raises(px.WorkerError, match="bad input on rank 0"):
         g.foreach_worker("fail")
+    with pytest.raises(RayError, match=r"\[rank 0\]\.fail\(\)"):  # RLlib code catches RayError
+        g.foreach_worker("fail")
+    res = g.foreach_actor("fail")
+    assert [(r.actor_id, r.ok, type(r.get()).__name__) for r in res] == [
+        (0, False, "WorkerError"),
+        (1, False, "WorkerError"),
+    ]
+    assert g.healthy_worker_ids() == [0, 1]  # a plain group: an exception is not a death
+    with pytest.raises(px.WorkerError) as info:  # errors name the call, not a helper
+        g.foreach_worker_with_id(lambda i, w: w.fail())
+    assert info.value.method == "foreach_worker_with_id"
     with pytest.raises(ValueError, match="remote_worker_ids"):
         g.foreach_worker("noop", remote_worker_ids=[5])
     with pytest.raises(TypeError, match="func"):
@@ -412,12 +455,28 @@ def test_async_requests_budget_and_fetch(make_group):
     assert sorted(got) == [(0, 0), (1, 1)]
     assert g.num_in_flight_async_reqs() == 0
     g.foreach_worker_async(lambda w: w.fail() if w.rank == 0 else w.rank, tag="c")
-    time.sleep(0.5)
     with pytest.raises(px.WorkerError, match="bad input on rank 0"):
-        _until(lambda: g.fetch_ready_async_reqs(tags="c") and False, 10)
-    left: list = []
-    _until(lambda: left.extend(g.fetch_ready_async_reqs(tags="c")) or len(left) == 1, 10)
-    assert left == [(1, 1)]  # a result ready beside the error is kept for the next fetch
+        g.fetch_ready_async_reqs(tags="c", timeout_seconds=None)  # waits for both
+    # a result ready beside the error is kept for the next fetch
+    assert g.fetch_ready_async_reqs(tags="c") == [(1, 1)]
+    assert g.num_in_flight_async_reqs() == 0
+    # timeout_seconds=None waits for every request in flight, not the first one
+    g.foreach_worker_async(lambda w: w.slow(0.3 * w.rank), tag="d")
+    assert sorted(g.fetch_ready_async_reqs(tags="d", timeout_seconds=None)) == [(0, 0), (1, 1)]
+    # two failed requests in one fetch: the second is raised by the next fetch, not lost
+    g.foreach_worker_async("fail", tag="e")
+    errors = []
+    for _ in range(2):
+        with pytest.raises(px.WorkerError) as info:
+            g.fetch_ready_async_reqs(tags="e", timeout_seconds=None)
+        errors.append((info.value.rank, info.value.method))
+    assert sorted(errors) == [(0, "fail"), (1, "fail")]
+    assert g.fetch_ready_async_reqs(tags="e") == []
+    # RLlib's result objects: errors included, never raised
+    g.foreach_worker_async(lambda w: w.fail() if w.rank == 1 else w.rank, tag="f")
+    res = g.fetch_ready_async_results(tags="f", timeout_seconds=None)
+    assert sorted((r.actor_id, r.ok) for r in res) == [(0, True), (1, False)]
+    assert [r.get() for r in res.ignore_errors()] == [0]
     with pytest.raises(ValueError, match="max_in_flight_per_worker"):
         g.foreach_worker_async("noop", max_in_flight_per_worker=0)
 
@@ -440,6 +499,7 @@ def test_nemo_face_isolated_builder_restarts(cluster, tmp_path, monkeypatch):
         with pytest.raises(px.HangTimeoutError) as info:
             px.MultiWorkerFuture(fut, called_workers=[0, 1]).get_results(g, timeout=1.0)
         assert info.value.pending_ranks == [0] and info.value.results == {1: 1}
+        assert info.value.method == "hang_on"  # a future of bare refs still names its call
         assert "stuck_in_sleep_forever" in _read(info.value.report_path)
     finally:
         g.shutdown()

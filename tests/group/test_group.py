@@ -94,8 +94,8 @@ def test_handle_await_and_done(echo):
 
 def test_rank_environment_before_init(echo):
     assert echo.init_env().wait() == [(str(r), r) for r in range(4)]
-    infos = echo.call("init_env").wait()
-    assert len(infos) == 4
+    assert echo.call("init_env").wait() == [(str(r), r) for r in range(4)]
+    assert echo.call("init_env", ranks=[1, 3]).wait() == [("1", 1), ("3", 3)]
 
 
 def test_torch_distributed_from_environment(echo):
@@ -168,7 +168,8 @@ def test_default_placement_and_addresses(cluster):
         assert g.world_size == cluster.num_nodes == 1
         md = g.worker_metadata[0]
         assert md["name"] == "default_place:0" and md["node_idx"] == 0
-        assert ray.get_actor("default_place:0", namespace="phalanx") is not None
+        named = ray.get_actor("default_place:0", namespace="phalanx")
+        assert named._actor_id == g.actors[0]._actor_id
     finally:
         g.shutdown()
 

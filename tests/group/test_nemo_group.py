@@ -174,14 +174,6 @@ def test_bad_input_raises_before_any_remote_call(wg, fresh_calls):
     assert fresh_calls() == [[], [], [], []]
 
 
-def test_shared_payload_put_once():
-    payload = np.zeros(1 << 20, dtype=np.uint8)
-    calls = [(r, (payload,), {"small": 1, "also": payload}) for r in range(4)]
-    shared = px.WorkerGroup._share(calls)
-    assert list(shared) == [id(payload)]  # one object-store copy; small values stay inline
-    assert isinstance(shared[id(payload)], ray.ObjectRef)
-
-
 def test_default_sharding_is_dp(cluster):
     vc = px.RayVirtualCluster([3], use_gpus=False, name="dp_only")
     g = px.RayWorkerGroup(

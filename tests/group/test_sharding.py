@@ -70,17 +70,36 @@ def test_get_worker_coords_wrong_type(s3: NamedSharding, rank: object) -> None:
         s3.get_worker_coords(rank)  # type: ignore[arg-type]
 
 
-def test_get_ranks_partial_and_full(s3: NamedSharding) -> None:
+def test_get_ranks_partial_returns_named_sharding(s3: NamedSharding) -> None:
+    # NeMo-RL: a partial index gives the sub-sharding over the axes left, in layout order.
     sub = s3.get_ranks(dp=1)
-    assert isinstance(sub, np.ndarray)
-    assert sub.tolist() == [[6, 7, 8], [9, 10, 11]]
-    assert s3.get_ranks(pp=1).tolist() == [[3, 4, 5], [9, 10, 11]]
-    assert s3.get_ranks(tp=2).tolist() == [[2, 5], [8, 11]]
-    assert s3.get_ranks(dp=0, tp=1).tolist() == [1, 4]
+    assert isinstance(sub, NamedSharding)
+    assert sub == NamedSharding([[6, 7, 8], [9, 10, 11]], ["pp", "tp"])
+    assert sub.shape == {"pp": 2, "tp": 3}
+    assert sub.get_worker_coords(10) == {"pp": 1, "tp": 1}
+    assert s3.get_ranks(pp=1) == NamedSharding([[3, 4, 5], [9, 10, 11]], ["dp", "tp"])
+    assert s3.get_ranks(tp=2) == NamedSharding([[2, 5], [8, 11]], ["dp", "pp"])
+    assert s3.get_ranks(dp=0, tp=1) == NamedSharding([1, 4], ["pp"])
+    assert s3.get_ranks(dp=0, tp=1).names == ["pp"]
+    # chained: fixing the remaining axes of a sub-sharding reaches a single rank
+    assert sub.get_ranks(pp=0).get_ranks(tp=2) == 8
     full = s3.get_ranks(dp=1, pp=0, tp=2)
     assert full == 8
     assert type(full) is int
-    assert s3.get_ranks().tolist() == LAYOUT_3D
+    everything = s3.get_ranks()
+    assert everything == s3 and everything is not s3
+
+
+def test_nemo_rl_get_ranks_examples() -> None:
+    s = NamedSharding([[[0, 1, 2, 3], [4, 5, 6, 7]]], ["dp", "pp", "tp"])
+    assert s.get_ranks(dp=0) == NamedSharding(np.array([[0, 1, 2, 3], [4, 5, 6, 7]]), ["pp", "tp"])
+    assert s.get_ranks(dp=0, pp=1) == NamedSharding(np.array([4, 5, 6, 7]), ["tp"])
+    assert s.get_ranks(dp=0, tp=2) == NamedSharding(np.array([2, 6]), ["pp"])
+    assert s.get_ranks(dp=0, pp=0, tp=2) == 2
+    with pytest.raises(IndexError, match="Index 2 is out of bounds for axis 'pp'"):
+        s.get_ranks(pp=2)
+    with pytest.raises(ValueError, match="Invalid axis name: 'xx'"):
+        s.get_ranks(xx=0)
 
 
 def test_get_ranks_unknown_axis_names_it(s3: NamedSharding) -> None:
@@ -114,7 +133,7 @@ def test_get_ranks_by_coord(s3: NamedSharding) -> None:
 def test_get_ranks_by_coord_is_sorted_for_permuted_layout() -> None:
     s = NamedSharding([[5, 2, 4], [0, 3, 1]], ["dp", "tp"])
     assert s.get_ranks_by_coord(dp=0) == [2, 4, 5]
-    assert s.get_ranks(dp=0).tolist() == [5, 2, 4]  # layout order kept by get_ranks
+    assert s.get_ranks(dp=0).layout.tolist() == [5, 2, 4]  # layout order kept by get_ranks
 
 
 def test_axis_lookup_errors(s3: NamedSharding) -> None:
@@ -145,9 +164,8 @@ def test_eq_hash_repr_pickle(s3: NamedSharding) -> None:
     assert s3 != NamedSharding(LAYOUT_3D, ["a", "pp", "tp"])
     assert s3 != NamedSharding(np.arange(12).reshape(2, 2, 3)[::-1].copy(), ["dp", "pp", "tp"])
     assert s3 != "not a sharding"
-    assert repr(NamedSharding([[0, 1], [2, 3]], ["dp", "tp"])) == (
-        "NamedSharding(layout=[[0, 1], [2, 3]], names=['dp', 'tp'])"
-    )
+    text = repr(NamedSharding([[0, 1], [2, 3]], ["dp", "tp"]))
+    assert text.startswith("NamedSharding(shape=(2, 2), names=['dp', 'tp'], layout=[[0 1]")
     restored = pickle.loads(pickle.dumps(s3))
     assert restored == s3
     assert restored.get_worker_coords(10) == {"dp": 1, "pp": 1, "tp": 1}
@@ -160,12 +178,11 @@ def test_eq_hash_repr_pickle(s3: NamedSharding) -> None:
         ([[0, 1], [2, 3]], ["dp"], "names"),  # too few names
         ([0, 1], ["dp", "tp"], "names"),  # too many names
         ([[0, 1], [2, 3]], ["dp", "dp"], "names"),  # duplicate names
-        ([[0, 1], [1, 3]], ["dp", "tp"], "layout"),  # duplicate rank, 2 missing
-        ([[0, 1], [2, 4]], ["dp", "tp"], "layout"),  # rank out of range
+        ([[0, 1], [1, 3]], ["dp", "tp"], "Duplicate ranks"),  # duplicate rank
         ([[-1, 0], [1, 2]], ["dp", "tp"], "layout"),  # negative rank
-        ([[1, 2], [3, 4]], ["dp", "tp"], "layout"),  # does not start at 0
         ([[0, 1], [2]], ["dp", "tp"], "layout"),  # ragged
-        ([[0.0, 1.0]], ["dp", "tp"], "layout"),  # float ranks
+        ([[0, 1.5], [2, 3]], ["dp", "tp"], "integer rank IDs"),  # non-integral float
+        ([["a", "b"]], ["dp", "tp"], "integer rank IDs"),  # not numbers
         ([], ["dp"], "layout"),  # empty
         (0, [], "layout"),  # 0-d
     ],
@@ -182,8 +199,21 @@ def test_init_names_type_errors(names: object) -> None:
         NamedSharding(layout, names)  # type: ignore[arg-type]
 
 
-def test_error_message_lists_missing_and_duplicated() -> None:
+def test_error_message_lists_duplicated() -> None:
     with pytest.raises(ValueError) as info:
-        NamedSharding([0, 0, 3, 1], ["dp"])
-    assert "missing [2]" in str(info.value)
-    assert "duplicated [0]" in str(info.value)
+        NamedSharding([0, 0, 3, 1, 3], ["dp"])
+    assert "Duplicate ranks found in layout: [0, 3]" in str(info.value)
+
+
+def test_layouts_nemo_rl_accepts() -> None:
+    # Ranks need not be 0..N-1 (a slice of a bigger layout), and integral floats are cast.
+    s = NamedSharding([[0, 1], [2, 4]], ["dp", "tp"])
+    assert s.get_worker_coords(4) == {"dp": 1, "tp": 1}
+    assert s.contains_worker_id(4) and not s.contains_worker_id(3)
+    with pytest.raises(ValueError, match="Worker ID 3 not found"):
+        s.get_worker_coords(3)
+    f = NamedSharding([[0.0, 1.0], [2.0, 3.0]], ["dp", "tp"])
+    assert f == NamedSharding([[0, 1], [2, 3]], ["dp", "tp"])
+    assert f.layout.dtype.kind == "i"
+    with pytest.raises(ValueError, match="Number of dimensions"):
+        NamedSharding([[0, 1], [2, 3]], ["dp", "pp", "tp"])

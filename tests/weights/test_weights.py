@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -46,14 +47,17 @@ class Receiver(px.Worker):
     def torn(self) -> int:
         return self.weights_torn
 
-    def read_twice(self, pause_s: float) -> tuple[float, float, int, int]:
+    def read_twice(self, pause_s: float, started: str) -> tuple[float, float, int, int]:
         """Reads the weights, sleeps, reads again: equal unless a version landed mid-call."""
         a = float(self.model[0].weight.sum())
         v0 = self.weights_version
+        open(started, "w").close()
         time.sleep(pause_s)
         return a, float(self.model[0].weight.sum()), v0, self.weights_version
 
-    def sleep(self, s: float) -> int:
+    def sleep(self, s: float, started: str | None = None) -> int:
+        if started:
+            open(started, "w").close()  # tells the test the call is running
         time.sleep(s)
         return self.rank
 
@@ -91,6 +95,21 @@ def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _wait_file(path, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.01)
+
+
+def _busy(group, rank: int, seconds: float, tmp_path) -> object:
+    """Start ``sleep`` on ``rank`` and return its handle once the call is running."""
+    flag = str(tmp_path / f"busy_{rank}_{time.monotonic_ns()}")
+    handle = group.execute_on(rank).sleep(seconds, flag)
+    _wait_file(flag)
+    return handle
 
 
 @pytest.fixture(scope="module")
@@ -151,15 +170,14 @@ def test_worker_ids_subsets(receivers):
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("transport", ["auto", "object_store", "collective"])
-def test_async_send_overlaps_sender_computation(receivers, transport):
+def test_async_send_overlaps_sender_computation(receivers, transport, tmp_path):
     model = make_model()
     sender = px.WeightSender(receivers, model, transport=transport)
     with pytest.raises(RuntimeError, match="no send_async"):
         sender.wait_async()
     _bump(model, 20)
     sent = _snapshot(model)
-    busy = receivers.execute_on(0).sleep(1.5)  # rank 0 applies only after this call
-    time.sleep(0.3)
+    busy = _busy(receivers, 0, 1.5, tmp_path)  # rank 0 applies only after this call
     t0 = time.perf_counter()
     sender.send_async()
     returned_after = time.perf_counter() - t0
@@ -183,12 +201,12 @@ def test_async_send_overlaps_sender_computation(receivers, transport):
 
 
 @pytest.mark.timeout(60)
-def test_applied_between_calls_no_torn_reads(receivers):
+def test_applied_between_calls_no_torn_reads(receivers, tmp_path):
     model = make_model()
     sender = px.WeightSender(receivers, model)
     _bump(model, 30)
-    reading = receivers.execute_on(2).read_twice(1.0)
-    time.sleep(0.3)
+    reading = receivers.execute_on(2).read_twice(1.0, str(tmp_path / "reading"))
+    _wait_file(tmp_path / "reading")
     result = sender.send()
     a, b, v0, v1 = reading.wait(timeout=30)[0]
     assert a == b and v0 == v1  # nothing changed during the call
@@ -200,23 +218,26 @@ def test_applied_between_calls_no_torn_reads(receivers):
 @pytest.mark.timeout(60)
 def test_out_of_order_and_repeated_versions_ignored(receivers):
     model = make_model()
-    sender = px.WeightSender(receivers, model)
+    # Three senders start at the same version: their sends race like delayed messages.
+    ahead, same, behind = (px.WeightSender(receivers, model) for _ in range(3))
     _bump(model, 40)
-    new = sender.send()
+    ahead.send()
+    new = ahead.send()
     assert new.applied == [0, 1, 2]
     current = _snapshot(model)
     _bump(model, 41)
-    sender._version = new.version - 2  # an older version arriving late
-    old = sender.send()
+    same.send()
+    again = same.send()  # the same version again
+    assert again.version == new.version and again.ignored == [0, 1, 2] and not again.applied
+    old = behind.send()  # an older version arriving late
     assert old.version < new.version and old.ignored == [0, 1, 2] and not old.applied
-    sender._version = new.version - 1  # the same version again
-    again = sender.send()
-    assert again.version == new.version and again.ignored == [0, 1, 2]
     for state in receivers.state().wait(timeout=60):
         assert _equal(state, current)
     assert receivers.version().wait(timeout=60) == [new.version] * 3
     # A new sender continues above the versions the workers hold.
     assert px.WeightSender(receivers, model).version == new.version
+    for s in (ahead, same, behind):
+        s.close()
 
 
 @pytest.mark.timeout(60)
@@ -240,6 +261,7 @@ def test_mismatch_errors_leave_receiver_unchanged(receivers, transport):
     assert all(_equal(a, b) for a, b in zip(after, before))
     with pytest.raises(TypeError, match="weights"):
         sender.send([1, 2])
+    sender.close()
 
 
 @pytest.mark.timeout(60)
@@ -341,7 +363,7 @@ def test_bad_arguments(receivers):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["auto", "object_store", "collective"])
-def test_receiver_killed_during_send(cluster, transport):
+def test_receiver_killed_during_send(cluster, transport, tmp_path):
     g = Receiver.create_group().launch(
         cluster, px.NodePlacement(num_workers=3), name=f"w_kill_{transport}"
     )
@@ -350,8 +372,7 @@ def test_receiver_killed_during_send(cluster, transport):
         sender = px.WeightSender(g, model, transport=transport, timeout_s=60)
         assert sender.send().ok  # process groups exist before the kill
         _bump(model, 90)
-        busy = g.execute_on(1).sleep(30)  # rank 1 cannot apply until this call ends
-        time.sleep(0.3)
+        busy = _busy(g, 1, 30, tmp_path)  # rank 1 cannot apply until this call ends
         t0 = time.perf_counter()
         sender.send_async()
         threading.Timer(0.5, lambda: ray.kill(g.actors[1], no_restart=True)).start()
@@ -360,7 +381,7 @@ def test_receiver_killed_during_send(cluster, transport):
         assert result.applied == [0, 2] and list(result.failed) == [1], result
         states = g.execute_on(0, 2).state().wait(timeout=30)
         assert all(_equal(s, _snapshot(model)) for s in states)
-        with pytest.raises(Exception):  # noqa: B017 - the worker is gone
+        with pytest.raises(px.WorkerDiedError):  # the worker is gone
             busy.wait(timeout=30)
         # Later sends still reach the survivors.
         _bump(model, 91)
@@ -436,19 +457,18 @@ def test_collective_broken_midway_claims_no_version(cluster):
 
 
 @pytest.mark.timeout(60)
-def test_shm_straggler_reads_a_segment_that_is_not_rewritten(receivers):
+def test_shm_straggler_reads_a_segment_that_is_not_rewritten(receivers, tmp_path):
     """A worker that misses the deadline applies later from the segment it was given: the
     sender moves to a new segment, so what the straggler reads is still a whole version."""
     model = make_model()
     sender = px.WeightSender(receivers, model, timeout_s=1.0, apply_timeout_s=30)
     try:
-        busy = receivers.execute_on(1).sleep(3.0)
-        time.sleep(0.3)
+        busy = _busy(receivers, 1, 3.0, tmp_path)
         _bump(model, 110)
         sent = _snapshot(model)
         late = sender.send()
         assert late.applied == [0, 2] and list(late.failed) == [1] and late.routes[1] == "shm"
-        assert sender._segment is None  # retired: the straggler may still read it
+        assert sender.shared_buffers == []  # retired: the straggler may still read it
         _bump(model, 111)
         assert sender.send(worker_ids=[0, 2]).applied == [0, 2]
         busy.wait(timeout=30)

@@ -30,7 +30,8 @@ def test_env_allowlist_and_precedence(cluster):
         finally:
             g.shutdown()
 
-        # configure_worker < builder < group env_vars, rank variables always win
+        # builder < group env_vars < configure_worker (NeMo-RL: the worker class wins);
+        # rank variables always win
         def layers(builder_env, group_env):
             b = px.RayWorkerBuilder("tests.workers.Configured")
             if builder_env:
@@ -44,8 +45,12 @@ def test_env_allowlist_and_precedence(cluster):
                 vc.shutdown()
 
         assert layers(None, None) == (7, "configure", "c")
-        assert layers({"PX_TEST_LAYER": "builder"}, None) == (7, "builder", "c")
-        assert layers({"PX_TEST_LAYER": "builder"}, {"PX_TEST_LAYER": "group"}) == (7, "group", "c")
+        assert layers({"PX_TEST_LAYER": "builder"}, None) == (7, "configure", "c")
+        assert layers({"PX_TEST_LAYER": "builder"}, {"PX_TEST_LAYER": "group"}) == (
+            7,
+            "configure",
+            "c",
+        )
     finally:
         for k in ("PHALANX_TEST_ALLOWED", "PX_TEST_NOT_ALLOWED", "PX_TEST_LAYER"):
             os.environ.pop(k, None)
@@ -98,3 +103,57 @@ def test_worker_init_failure_names_rank(cluster):
         assert "TypeError" in str(info.value)
     finally:
         vc.shutdown()
+
+
+class EnvLayers(px.Worker):
+    """configure_worker sets PX_ENV_C; the test sets PX_ENV_B / PX_ENV_G / PX_ENV_C elsewhere."""
+
+    @staticmethod
+    def configure_worker(num_gpus, bundle_indices=None, num_gpus_per_node=None):
+        return None, {"PX_ENV_C": "configure"}, None, None
+
+    def env(self, *keys):
+        return {k: os.environ.get(k) for k in keys}
+
+
+@pytest.mark.timeout(120)
+def test_env_precedence_nemo_rl_face(cluster):
+    """RayWorkerGroup(env_vars=...) loses to configure_worker, wins over the builder."""
+    keys = ("PX_ENV_B", "PX_ENV_G", "PX_ENV_C")
+    builder = px.RayWorkerBuilder("tests.worker.test_builder.EnvLayers").with_runtime_env(
+        env_vars={"PX_ENV_B": "builder", "PX_ENV_G": "builder", "PX_ENV_C": "builder"}
+    )
+    vc = px.RayVirtualCluster([1], use_gpus=False)
+    group_env = {"PX_ENV_G": "group", "PX_ENV_C": "group"}
+    g = px.RayWorkerGroup(vc, builder, name_prefix="env_nemo", env_vars=group_env)
+    try:
+        env = ray.get(g.run_all_workers_single_data("env", *keys))[0]
+        assert env == {"PX_ENV_B": "builder", "PX_ENV_G": "group", "PX_ENV_C": "configure"}
+    finally:
+        g.shutdown()
+        vc.shutdown()
+
+    # The same order on the RLinf face (one call path).
+    r = EnvLayers.create_group().launch(
+        cluster, px.NodePlacement(num_workers=1), name="env_rlinf", env_vars=group_env
+    )
+    try:
+        assert r.env(*keys).wait(timeout=60)[0] == {
+            "PX_ENV_B": None,
+            "PX_ENV_G": "group",
+            "PX_ENV_C": "configure",
+        }
+    finally:
+        r.shutdown()
+
+    # configure_worker may not set the rank variables (NeMo-RL lets it; phalanx refuses).
+    with pytest.raises(ValueError, match=r"configure_worker env_vars may not set \['RANK'\]"):
+        RankSetter.create_group().launch(
+            cluster, px.NodePlacement(num_workers=1), name="env_rank_setter"
+        )
+
+
+class RankSetter(px.Worker):
+    @staticmethod
+    def configure_worker(num_gpus, bundle_indices=None, num_gpus_per_node=None):
+        return None, {"RANK": "9"}, None, None

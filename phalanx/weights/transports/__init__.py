@@ -19,7 +19,7 @@ TRANSPORTS = ("auto", "object_store", "shm", "collective")
 
 
 def receive(
-    host: Any, transport: str, layout: Layout, payload: Any, skip: bool = False
+    worker: Any, transport: str, layout: Layout, payload: Any, skip: bool = False
 ) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
     """Make a payload's tensors available on this worker (views where possible)."""
     if transport == "object_store":
@@ -32,4 +32,4 @@ def receive(
         from phalanx.weights.transports.collective import receive as fn
     else:
         raise ValueError(f"unknown transport {transport!r}")
-    return fn(host, layout, payload, skip)
+    return fn(worker, layout, payload, skip)

@@ -14,7 +14,7 @@ on both sides so packing (or unpacking) one overlaps the transfer of the next.
 Atomicity: a receiver that is idle takes its model's write lock *before* the first byte
 arrives and receives in place; no method call runs until the whole version is in, and
 ``weights_version`` moves only after the last byte. If the transfer breaks midway (a peer
-died, a timeout), the version is not claimed, the worker records ``_px_weights_torn``
+died, a timeout), the version is not claimed, the worker records ``weights_torn``
 (the version it was receiving) and the sender re-sends that whole version to every
 survivor through the object store, which clears it. A receiver busy in a method call
 cannot take the lock without stalling everyone, so it receives into a staging buffer
@@ -24,40 +24,26 @@ ignore the version or whose module does not match (their call then fails, unchan
 
 from __future__ import annotations
 
-import datetime
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from phalanx.comm.process_group import broadcast, join_store, make_process_group
 from phalanx.weights.layout import Layout, as_bytes, pack_range, unpack_range, views
+from phalanx.worker.weights_state import receiver_state
 
 _DIRECT_MIN = 1 << 20
 
 
 def new_process_group(
-    store: dist.Store, key: str, rank: int, world: int, backend: str, timeout_s: float
+    store: Any, key: str, rank: int, world: int, backend: str, timeout_s: float
 ) -> Any:
-    """A process group of its own (not the default one) over ``store``."""
-    prefixed = dist.PrefixStore(f"phalanx_weights/{key}", store)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world, timeout)
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, rank, world, opts)
-    raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-
-
-def broadcast(pg: Any, tensor: torch.Tensor, root: int = 0) -> Any:
-    """Start broadcasting ``tensor`` from ``root``; returns the work to wait on."""
-    opts = dist.BroadcastOptions()
-    opts.rootRank = root
-    opts.rootTensor = 0
-    return pg.broadcast([tensor], opts)
+    """The weights layer's process group ``key`` over ``store`` (``comm.process_group``)."""
+    return make_process_group(
+        backend, store, rank, world, prefix=f"phalanx_weights/{key}", timeout_s=timeout_s
+    )
 
 
 def plan(layout: Layout, bucket_bytes: int) -> list[tuple[int, int, int]]:
@@ -217,32 +203,43 @@ def receive_into(
         w.wait()
 
 
-# -- receiver half, run on the worker host -------------------------------------------------
+# -- receiver half, run on the worker -------------------------------------------------------
 
 _lock = threading.Lock()
 
 
-def _groups(host: Any) -> dict[str, Any]:
+def _scratch(worker: Any, name: str, default: Any) -> Any:
     with _lock:
-        return host.__dict__.setdefault("_px_weight_pgs", {})
+        return receiver_state(worker).scratch.setdefault(name, default)
+
+
+def _groups(worker: Any) -> dict[str, Any]:
+    return _scratch(worker, "pgs", {})
 
 
 def join(
-    host: Any, key: str, addr: str, port: int, world: int, rank: int, backend: str, timeout_s: float
+    worker: Any,
+    key: str,
+    addr: str,
+    port: int,
+    world: int,
+    rank: int,
+    backend: str,
+    timeout_s: float,
 ) -> bool:
     """Join the sender's process group ``key`` as ``rank`` (blocks until all joined)."""
-    store = dist.TCPStore(addr, port, world, False, timeout=datetime.timedelta(seconds=timeout_s))
+    store = join_store(addr, port, timeout_s, world)
     pg = new_process_group(store, key, rank, world, backend, timeout_s)
-    _groups(host)[key] = (pg, store, backend)
+    _groups(worker)[key] = (pg, store, backend)
     return True
 
 
-def drop(host: Any, key: str) -> bool:
-    return _groups(host).pop(key, None) is not None
+def drop(worker: Any, key: str) -> bool:
+    return _groups(worker).pop(key, None) is not None
 
 
-def _group(host: Any, payload: dict[str, Any]) -> tuple[Any, Any]:
-    entry = _groups(host).get(payload["key"])
+def _group(worker: Any, payload: dict[str, Any]) -> tuple[Any, Any]:
+    entry = _groups(worker).get(payload["key"])
     if entry is None:
         raise RuntimeError(f"collective weights group {payload['key']!r} was not joined here")
     pg, _, backend = entry
@@ -251,53 +248,56 @@ def _group(host: Any, payload: dict[str, Any]) -> tuple[Any, Any]:
 
 
 def receive(
-    host: Any, layout: Layout, payload: dict[str, Any], skip: bool
+    worker: Any, layout: Layout, payload: dict[str, Any], skip: bool
 ) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
-    pg, device = _group(host, payload)
-    with _groups_lock(host):
-        return _receive_staged(host, layout, payload, skip, pg, device)
+    pg, device = _group(worker, payload)
+    with _scratch(worker, "recv_lock", threading.Lock()):
+        return _receive_staged(worker, layout, payload, skip, pg, device)
 
 
 def apply_in_place(
-    host: Any, version: int, layout: Layout, payload: dict[str, Any], lock: Any
+    worker: Any, version: int, layout: Layout, payload: dict[str, Any], lock: Any, strict: bool
 ) -> str | None:
     """Receive ``version`` straight into the worker's parameters under the write lock.
 
     Returns "applied" (or "ignored" if a newer version landed meanwhile), or None with
     nothing received when that cannot be done here (the worker is in a method call, a
-    target is not contiguous, or the module does not match); the caller then stages. A
-    transfer that breaks midway raises with the version unclaimed and
-    ``_px_weights_torn`` set (see the module docstring).
+    target is not contiguous, its parameters view a shared buffer, or the module does not
+    match); the caller then stages. A transfer that breaks midway raises with the version
+    unclaimed and ``weights_torn`` set (see the module docstring).
     """
-    from phalanx.weights.receiver import _module_of, copy_aliases, target_tensors, validate
+    from phalanx.weights.receiver import copy_aliases, module_of, target_tensors, validate
 
-    obj = host._obj
+    state = receiver_state(worker)
+    if state.view is not None:
+        return None  # the staged path gives it private storage first
     try:
-        targets = target_tensors(_module_of(obj))
-        validate(targets, layout)
+        targets = target_tensors(module_of(worker))
+        missing = validate(targets, layout, strict)
     except Exception:  # noqa: BLE001 - staged: it raises again after the broadcast
         return None  # (the others need this worker in the broadcast), nothing changed
     dsts = [targets[spec.name].detach() for spec in layout.specs]
     if not all(t.is_contiguous() for t in dsts):
         return None
-    pg, device = _group(host, payload)
+    pg, device = _group(worker, payload)
     entered = False
     try:
-        with _groups_lock(host), lock.write(0.0):
+        with _scratch(worker, "recv_lock", threading.Lock()), lock.write(0.0):
             entered = True
-            if version <= obj._px_weights_version:  # a newer one landed meanwhile
-                _receive_staged(host, layout, payload, True, pg, device)
+            if version <= state.version:  # a newer one landed meanwhile
+                _receive_staged(worker, layout, payload, True, pg, device)
                 return "ignored"
-            buffers = host.__dict__.setdefault("_px_weight_buffers", [])
+            buffers = _scratch(worker, "buffers", [])
             try:
                 receive_into(pg, layout, dsts, payload["bucket_bytes"], device, buffers)
             except BaseException:
-                obj._px_weights_torn = version
+                state.torn = version
                 raise
             with torch.no_grad():
                 copy_aliases(targets, layout)
-            obj._px_weights_version = version
-            obj._px_weights_torn = 0
+            state.version = version
+            state.torn = 0
+            state.missing = missing
     except TimeoutError:
         if entered:
             raise
@@ -305,23 +305,20 @@ def apply_in_place(
     return "applied"
 
 
-def _groups_lock(host: Any) -> threading.Lock:
-    with _lock:
-        return host.__dict__.setdefault("_px_weight_recv_lock", threading.Lock())
-
-
 def _receive_staged(
-    host: Any, layout: Layout, payload: dict[str, Any], skip: bool, pg: Any, device: Any
+    worker: Any, layout: Layout, payload: dict[str, Any], skip: bool, pg: Any, device: Any
 ) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
     # The staging buffer is kept between versions: no allocation or page faults per send.
-    staging = host.__dict__.get("_px_weight_staging")
+    scratch = receiver_state(worker).scratch
+    staging = scratch.get("staging")
     if (
         staging is None
         or staging.numel() < layout.total_bytes
         or staging.device != torch.device(device)
     ):
-        staging = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
-        host._px_weight_staging = staging
+        staging = scratch["staging"] = torch.empty(
+            layout.total_bytes, dtype=torch.uint8, device=device
+        )
     flat = receive_stream(
         pg, layout, payload["bucket_bytes"], device, staging[: layout.total_bytes]
     )

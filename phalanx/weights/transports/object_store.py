@@ -66,7 +66,7 @@ def _tensor(arr: np.ndarray) -> torch.Tensor:
 
 
 def receive(
-    host: Any, layout: Layout, payload: dict[str, Any], skip: bool
+    worker: Any, layout: Layout, payload: dict[str, Any], skip: bool
 ) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
     if skip:
         return {}, lambda: None

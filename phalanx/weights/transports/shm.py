@@ -1,87 +1,159 @@
-"""Same-node shared-memory transport for CPU weights.
+"""Same-node shared-memory transport for CPU weights, N-buffered by version.
 
-The sender packs the stream into one file under ``/dev/shm`` (casting on the way) and
-keeps it: the next send reuses it when it is big enough, so neither side pays page
-faults again. Receivers map the file once, keep the mapping, and copy straight from it
-into their parameters. Workers on other nodes get the object-store transport instead.
+The sender packs the stream (casting on the way) into one of a few shared buffers
+(``comm.shm.Segment``) that it keeps from send to send, so after the first sends neither
+side pays page faults again. Receivers map each buffer once and keep the mapping; then:
+
+- a receiver that trains (the default) copies from the buffer into its parameters;
+- a ``read_only_weights`` receiver points its parameters at the buffer (route
+  ``"shm_view"``): one copy per send in all, however many such receivers there are.
+
+Because view receivers keep reading the buffer of the version they applied, a buffer is
+rewritten only when no receiver holds it (``ShmRing.acquire``). A receiver that did not
+answer (dead, or still busy past the deadline) may still read what it was given, so that
+buffer is *retired*: its name is unlinked and the sender never writes it again; the
+memory goes away when the last mapping does. Workers on other nodes get the object-store
+transport instead.
 """
 
 from __future__ import annotations
 
-import mmap
-import os
-import uuid
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from phalanx.comm.shm import Segment, segment_path
 from phalanx.weights.layout import Layout, pack_range, views
+from phalanx.worker.weights_state import receiver_state
 
-SHM_DIR = "/dev/shm"
-
-
-class ShmSegment:
-    """A named shared-memory file mapped into this process, as a flat uint8 tensor."""
-
-    def __init__(self, size: int, name: str | None = None, create: bool = True):
-        self.name = name or f"phalanx_w_{uuid.uuid4().hex[:16]}"
-        self.size = max(int(size), 1)
-        path = os.path.join(SHM_DIR, self.name)
-        fd = os.open(path, (os.O_CREAT | os.O_EXCL | os.O_RDWR) if create else os.O_RDWR, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, self.size)
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self._mm = mmap.mmap(fd, self.size, flags=flags)
-        finally:
-            os.close(fd)
-        self.owner = create
-        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
-
-    def unlink(self) -> None:
-        """Remove the file (mappings stay valid until released)."""
-        try:
-            os.unlink(os.path.join(SHM_DIR, self.name))
-        except FileNotFoundError:
-            pass
+_CACHE = "shm_maps"
 
 
-def pack_to_shm(
-    layout: Layout, sources: list[torch.Tensor], segment: ShmSegment | None = None
-) -> ShmSegment:
+@dataclass
+class _Buffer:
+    segment: Segment
+    version: int = 0
+    holders: set[int] = field(default_factory=set)  # ranks whose parameters view it
+
+
+class ShmRing:
+    """The sender's shared buffers (at most ``max_buffers`` kept; more are retired)."""
+
+    def __init__(self, max_buffers: int = 3):
+        self.max_buffers = max_buffers
+        self._bufs: list[_Buffer] = []
+        self._retired: list[str] = []
+
+    @property
+    def paths(self) -> list[str]:
+        return [b.segment.path for b in self._bufs]
+
+    def acquire(self, nbytes: int) -> _Buffer:
+        """A buffer of at least ``nbytes`` that no receiver holds (the oldest such one)."""
+        free = [b for b in self._bufs if not b.holders]
+        fits = [b for b in free if b.segment.size >= nbytes]
+        if fits:
+            return min(fits, key=lambda b: b.version)
+        for b in free:  # too small: make room
+            self._retire(b)
+        while len(self._bufs) >= self.max_buffers:  # all held: retire the oldest
+            self._retire(min(self._bufs, key=lambda b: b.version))
+        buf = _Buffer(Segment.create(nbytes, tag="w"))
+        self._bufs.append(buf)
+        return buf
+
+    def write(self, layout: Layout, sources: list[torch.Tensor], version: int) -> dict[str, Any]:
+        """Pack the stream into a free buffer; the payload receivers get."""
+        buf = self.acquire(layout.total_bytes)
+        pack_range(buf.segment.tensor[: layout.total_bytes], layout, sources, 0, layout.total_bytes)
+        buf.version = version
+        return {"path": buf.segment.path, "ring": True, "retired": self.take_retired()}
+
+    def settle(self, path: str, holds: dict[int, str | None], unanswered: Iterable[int]) -> None:
+        """Record what each answering rank holds now; retire ``path`` if some did not answer."""
+        for b in self._bufs:
+            b.holders.difference_update(holds)
+            b.holders.update(r for r, p in holds.items() if p == b.segment.path)
+        if list(unanswered):
+            for b in self._bufs:
+                if b.segment.path == path:
+                    self._retire(b)
+
+    def forget(self, ranks: Iterable[int]) -> None:
+        """``ranks`` hold nothing any more (restarted: a new process)."""
+        ranks = set(ranks)
+        for b in self._bufs:
+            b.holders.difference_update(ranks)
+
+    def take_retired(self) -> list[str]:
+        retired, self._retired = self._retired, []
+        return retired
+
+    def close(self) -> None:
+        for b in list(self._bufs):
+            self._retire(b)
+        self._retired.clear()
+
+    def _retire(self, buf: _Buffer) -> None:
+        buf.segment.unlink()
+        self._bufs.remove(buf)
+        self._retired.append(buf.segment.path)
+
+
+def ShmSegment(size: int, name: str | None = None, create: bool = True) -> Segment:  # noqa: N802
+    """Old name, kept for callers of the previous API: a ``comm.shm.Segment`` of ``size``
+    bytes, created (named ``name`` if given) or, with ``create=False``, attached."""
+    if create:
+        return Segment.create(size, tag="w", name=name)
+    if name is None:
+        raise ValueError("ShmSegment(create=False) needs the name of the segment to attach")
+    return Segment.attach(name)
+
+
+def pack_to_shm(layout: Layout, sources: list[torch.Tensor], segment: Segment | None) -> Segment:
     """Pack the stream into ``segment`` (or a new one if it is missing or too small)."""
     if segment is None or segment.size < layout.total_bytes:
         if segment is not None:
             segment.unlink()
-        segment = ShmSegment(layout.total_bytes)
+        segment = Segment.create(layout.total_bytes, tag="w")
     pack_range(segment.tensor[: layout.total_bytes], layout, sources, 0, layout.total_bytes)
     return segment
 
 
-def open_views(
-    name: str, layout: Layout, cache: dict[str, ShmSegment] | None = None
-) -> dict[str, torch.Tensor]:
-    """Views of every tensor of a packed segment (mapping reused through ``cache``)."""
-    seg = cache.get(name) if cache is not None else None
-    if seg is None or seg.size < layout.total_bytes:
-        seg = _attach(name)
-        if cache is not None:
-            cache.clear()  # the sender moved to a new segment: drop the old mapping
-            cache[name] = seg
-    return views(seg.tensor, layout)
+# -- receiver half -------------------------------------------------------------------------
 
 
-def _attach(name: str) -> ShmSegment:
-    path = os.path.join(SHM_DIR, name)
-    size = os.path.getsize(path)
-    return ShmSegment(size, name=name, create=False)
+def _mapping(worker: Any, path: str) -> Segment:
+    path = segment_path(path)
+    cache: dict[str, Segment] = receiver_state(worker).scratch.setdefault(_CACHE, {})
+    seg = cache.get(path)
+    if seg is None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only: never written here
+            seg = cache[path] = Segment.attach(path, populate=True, writable=False)
+    return seg
+
+
+def forget_retired(worker: Any, paths: Iterable[str]) -> None:
+    """Drop the mappings of buffers the sender retired (views keep theirs alive)."""
+    cache = receiver_state(worker).scratch.get(_CACHE, {})
+    for p in paths:
+        cache.pop(p, None)
+
+
+def open_views(worker: Any, path: str, layout: Layout) -> dict[str, torch.Tensor]:
+    """Views of every tensor of the packed buffer ``path`` (a name or a path in
+    ``/dev/shm``); the mapping is kept on ``worker`` for the next version."""
+    return views(_mapping(worker, path).tensor, layout)
 
 
 def receive(
-    host: Any, layout: Layout, payload: dict[str, Any], skip: bool
+    worker: Any, layout: Layout, payload: dict[str, Any], skip: bool
 ) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+    forget_retired(worker, payload.get("retired", ()))
     if skip:
         return {}, lambda: None
-    cache = host.__dict__.setdefault("_px_shm_cache", {})
-    return open_views(payload["name"], layout, cache), lambda: None
+    return open_views(worker, payload["path"], layout), lambda: None

@@ -1,0 +1,182 @@
+"""The README's PPO command, clean and with an env runner killed every few seconds.
+
+Runs ``phalanx train ppo --env CartPole-v1 --env-runners 2 --stop-return 450`` as a
+subprocess, ``--runs`` times clean and ``--runs`` times while a killer sends SIGKILL to one
+of its env runner processes every ``--every`` seconds, from the moment the first runner
+process exists (so the first kills land while the runners are still starting). Only
+processes that descend from the run's own driver and carry its group name are killed.
+
+Reports, per run: exit status, whether the stop return was reached, the time to reach it
+(since the process started), restarts counted by the run, kills sent; then the slowdown
+(median time to 450 under kills / median clean). Every run must complete.
+
+    python benchmarks/chaos_ppo.py [--runs 3] [--every 3] [--seed 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+README_COMMAND = [
+    "train",
+    "ppo",
+    "--env",
+    "CartPole-v1",
+    "--env-runners",
+    "2",
+    "--stop-return",
+    "450",
+]
+
+
+def _runner_processes(driver: psutil.Process, group_prefix: str) -> list[psutil.Process]:
+    """The run's env runner processes: descendants of its driver named after its group."""
+    out = []
+    try:
+        children = driver.children(recursive=True)
+    except psutil.Error:
+        return out
+    for proc in children:
+        try:
+            title = " ".join(proc.cmdline())
+        except psutil.Error:
+            continue
+        if group_prefix in title and "EnvRunner" in title:
+            out.append(proc)
+    return out
+
+
+def _killer(driver: psutil.Process, group_prefix: str, every_s: float, stop: threading.Event,
+            kills: list[tuple[float, int, str]], t0: float) -> None:  # fmt: skip
+    """SIGKILL one runner process every ``every_s`` s, starting when the first one exists."""
+    turn = 0
+    next_at = None
+    while not stop.is_set():
+        procs = _runner_processes(driver, group_prefix)
+        now = time.perf_counter()
+        if procs and (next_at is None or now >= next_at):
+            victim = procs[turn % len(procs)]
+            turn += 1
+            try:
+                title = " ".join(victim.cmdline())
+                os.kill(victim.pid, signal.SIGKILL)
+                kills.append((now - t0, victim.pid, title.split(".")[-1][:40]))
+            except (psutil.Error, ProcessLookupError):
+                continue
+            next_at = now + every_s
+        stop.wait(0.05)
+
+
+def run_once(chaos: bool, seed: int, every_s: float, timeout_s: float) -> dict:
+    runs_dir = tempfile.mkdtemp(prefix="phalanx_chaos_")
+    name = f"chaos{int(chaos)}_{seed}_{os.getpid()}"
+    argv = [sys.executable, "-m", "phalanx.cli", *README_COMMAND, "--seed", str(seed),
+            "--name", name, "--runs-dir", runs_dir, "--no-progress"]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stop = threading.Event()
+    kills: list[tuple[float, int, str]] = []
+    killer = None
+    if chaos:
+        # the group is named ppo_<name>_<driver pid> (phalanx.algorithms.ppo.train)
+        killer = threading.Thread(
+            target=_killer,
+            args=(psutil.Process(proc.pid), f"ppo_{name}_{proc.pid}", every_s, stop, kills, t0),
+            daemon=True,
+        )
+        killer.start()
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    finally:
+        stop.set()
+        if killer is not None:
+            killer.join()
+    wall = time.perf_counter() - t0
+    summary = _summary(out)
+    return {
+        "chaos": chaos,
+        "seed": seed,
+        "rc": proc.returncode,
+        "wall_s": wall,
+        "reached": bool(summary.get("reached_stop_return")),
+        "time_to_450_s": summary.get("time_to_stop_return_s"),
+        "timesteps": summary.get("timesteps"),
+        "restarts": summary.get("restarts"),
+        "kills": kills,
+        "stderr_tail": "" if proc.returncode == 0 else err[-2000:],
+        "run_dir": str(Path(runs_dir) / name),
+    }
+
+
+def _summary(stdout: str) -> dict:
+    """The JSON summary the command prints (the first ``{ ... }`` block)."""
+    start = stdout.find("{\n")
+    end = stdout.find("\n}", start)
+    if start < 0 or end < 0:
+        return {}
+    try:
+        return json.loads(stdout[start : end + 2])
+    except json.JSONDecodeError:
+        return {}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=3, help="runs per mode (default 3)")
+    p.add_argument("--every", type=float, default=3.0, help="seconds between kills (default 3)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the first run (then +1, ...)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run")
+    args = p.parse_args()
+    results = []
+    for i in range(args.runs):  # clean and chaos alternate, so load drifts hit both alike
+        for chaos in (False, True):
+            r = run_once(chaos, args.seed + i, args.every, args.timeout)
+            results.append(r)
+            first_kill = (
+                f", first kill at {r['kills'][0][0]:.1f} s ({r['kills'][0][2]})"
+                if r["kills"]
+                else ""
+            )
+            t450 = r["time_to_450_s"]
+            print(
+                f"{'chaos' if chaos else 'clean'} seed {r['seed']}: exit {r['rc']}, reached 450 "
+                f"{r['reached']}"
+                + (f" at {t450:.1f} s" if t450 is not None else "")
+                + f", process wall {r['wall_s']:.1f} s, {r['timesteps']} timesteps, "
+                f"restarts {r['restarts']}, kills {len(r['kills'])}{first_kill}",
+                flush=True,
+            )
+            if r["rc"] != 0:
+                print(r["stderr_tail"], flush=True)
+    clean = [r for r in results if not r["chaos"]]
+    chaos = [r for r in results if r["chaos"]]
+    ok = all(r["rc"] == 0 and r["reached"] for r in results)
+    print(f"all {len(results)} runs completed and reached 450: {ok}")
+    if ok:
+        c = statistics.median(r["time_to_450_s"] for r in clean)
+        k = statistics.median(r["time_to_450_s"] for r in chaos)
+        print(
+            f"median time to 450: clean {c:.1f} s, under kills {k:.1f} s -> slowdown {k / c:.2f}x; "
+            f"kills per run {[len(r['kills']) for r in chaos]}, restarts per run "
+            f"{[r['restarts'] for r in chaos]}"
+        )
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

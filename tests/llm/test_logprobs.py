@@ -1,0 +1,96 @@
+"""Chunked chosen-token log-probs and packed rows, in one process (no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phalanx.llm.logprobs import chosen_token_logprobs, entropy_sum, token_logprobs
+from phalanx.llm.sequence_packing import pack_rows, unpack_to_rows, unpack_token_logprobs
+
+
+def _full(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 3, 7, 100])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_logprobs_equal_the_full_computation(chunk, dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 9, 50, generator=g) * 4).to(dtype)
+    ids = torch.randint(0, 50, (3, 9), generator=g)
+    got = token_logprobs(logits, ids, chunk)
+    assert got.dtype == torch.float32 and got.shape == (3, 8)
+    torch.testing.assert_close(got, _full(logits, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_chunked_logprobs_gradients_equal_the_full_computation() -> None:
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(2, 6, 40, generator=g)
+    ids = torch.randint(0, 40, (2, 6), generator=g)
+    weights = torch.randn(2, 5, generator=g)
+    a = base.clone().requires_grad_()
+    b = base.clone().requires_grad_()
+    (token_logprobs(a, ids, 2) * weights).sum().backward()
+    (_full(b, ids) * weights).sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_entropy_and_bad_chunk() -> None:
+    logits = torch.randn(2, 5, 30)
+    mask = torch.tensor([[1.0, 1, 0, 1, 0], [0, 1, 1, 1, 1]])
+    logp = torch.log_softmax(logits, -1)
+    expected = (-(logp.exp() * logp).sum(-1) * mask).sum()
+    torch.testing.assert_close(entropy_sum(logits, mask, chunk_size=2), expected)
+    with pytest.raises(ValueError, match="logprob_chunk_size"):
+        chosen_token_logprobs(logits, torch.zeros(2, 5, dtype=torch.long), chunk_size=0)
+    with pytest.raises(ValueError, match="disagree"):
+        chosen_token_logprobs(logits, torch.zeros(2, 6, dtype=torch.long))
+
+
+def test_pack_rows_layout_mask_and_unpack() -> None:
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0], [1, 2, 3, 4]])
+    packed = pack_rows(ids, torch.tensor([3, 2, 4]), pad_id=0, pad_to_multiple=4)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 1, 2, 3, 4, 0, 0, 0]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3, 0, 1, 2]]
+    assert packed.starts == [0, 3, 5] and packed.lengths == [3, 2, 4]
+    m = packed.attention_mask[0, 0]
+    assert m.shape == (12, 12)
+    assert m[4].tolist() == [False] * 3 + [True, True] + [False] * 7  # 2nd sequence, token 2
+    assert m[2, :3].all() and not m[3, :3].any()  # no attention across the boundary
+    # per-position values back to rows; past-the-length positions repeat the last token
+    vals = torch.arange(12.0).reshape(1, 12, 1)
+    rows = unpack_to_rows(vals, packed, 4)[..., 0]
+    assert rows.tolist() == [[0, 1, 2, 2], [3, 4, 4, 4], [5, 6, 7, 8]]
+    lp = torch.arange(1.0, 12.0).reshape(1, 11)  # next-token values of the packed row
+    out = unpack_token_logprobs(lp, packed, 4)
+    assert out.tolist() == [[0, 1, 2, 0], [0, 4, 0, 0], [0, 6, 7, 8]]
+    with pytest.raises(ValueError, match="input_lengths"):
+        pack_rows(ids, torch.tensor([3, 5, 1]), pad_id=0)
+
+
+@pytest.mark.timeout(120)
+def test_packed_forward_equals_separate_forwards(model_path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+    g = torch.Generator().manual_seed(3)
+    V = model.config.vocab_size
+    lengths = torch.tensor([5, 9, 2, 7])
+    ids = torch.zeros(4, 9, dtype=torch.long)
+    for i, n in enumerate(lengths.tolist()):
+        ids[i, :n] = torch.randint(1, V, (n,), generator=g)
+    with torch.no_grad():
+        packed = pack_rows(ids, lengths, pad_id=0)
+        out = model(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            attention_mask=packed.attention_mask,
+        ).logits
+        rows = unpack_to_rows(out, packed, 9)
+        for i, n in enumerate(lengths.tolist()):
+            alone = model(input_ids=ids[i : i + 1, :n]).logits[0]
+            torch.testing.assert_close(rows[i, :n], alone, atol=1e-5, rtol=1e-5)
