@@ -114,7 +114,9 @@ def main() -> None:
         local.wait_for_nodes()
         cluster = px.Cluster(num_nodes=args.nodes, address=local.address)
     else:
-        cluster = px.Cluster(num_cpus=max(sizes) + 4)
+        # a fresh local Ray even if a `ray start` cluster runs on this machine
+        ray.init(address="local", num_cpus=max(sizes) + 4, include_dashboard=False)
+        cluster = px.Cluster()
     where = f"{args.nodes} nodes" if args.nodes > 1 else "1 node"
     rows = []
     for n in sizes:

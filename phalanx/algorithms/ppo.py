@@ -711,6 +711,7 @@ def train(
     with times.phase("plotting"):
         plot_learning_curve(run_dir)
     wall = time.perf_counter() - t_start
+    times.save(run_dir, wall)
     return {
         "timesteps": timesteps,
         "iterations": iteration,
@@ -862,6 +863,7 @@ def cli(argv: list[str]) -> int:
         summary["time_to_stop_return_s"] += started_s
     summary["process_wall_s"] = total
     summary["breakdown"] = times.as_dict(total)
+    times.save(summary["run_dir"], total)
     print(json.dumps(summary, indent=2))
     print(times.table(total, title="wall time since the process started"))
     reached = summary["time_to_stop_return_s"]

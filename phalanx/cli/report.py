@@ -1,7 +1,8 @@
 """``phalanx report runs/<name>``: a summary table in the terminal and PNG plots of a run.
 
 Reads what a run leaves in its directory: ``metrics.jsonl`` (``phalanx.observe.metrics``),
-``config.json`` when present, and ``trace.json`` when the run was traced. Writes:
+``config.json`` when present, ``breakdown.json`` (where the wall time went) when present,
+and ``trace.json`` when the run was traced. Writes:
 
 - ``learning_curve.png``: ``return_mean`` (or ``reward_mean``) against ``timesteps``
   (or the step), with the ``return_std`` band when logged;
@@ -21,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from phalanx.observe.breakdown import read_breakdown
 from phalanx.observe.metrics import CONFIG_FILE, read_metrics
 
 TRACE_FILE = "trace.json"
@@ -150,6 +152,12 @@ def summarize(run_dir: str | os.PathLike[str], trace_path: str | None = None) ->
         values = _series(rows, key)[1]
         if values:
             out[f"{key} mean s"] = _mean(values)
+    breakdown = read_breakdown(run)
+    if breakdown is not None:  # where the run's wall time went (phalanx.observe.breakdown)
+        out["wall total s"] = breakdown["total_s"]
+        for phase, seconds in breakdown["phases"].items():
+            overlapped = " (overlapped)" if phase in breakdown.get("overlapped", []) else ""
+            out[f"wall {phase}{overlapped} s"] = seconds
     trace_file = Path(trace_path) if trace_path else run / TRACE_FILE
     if trace_file.exists():
         from phalanx._base.trace import load

@@ -374,11 +374,12 @@ def _mismatch(buf: Any, dtype: Any, shape: tuple[int, ...]) -> ValueError:
     )
 
 
-def _closed_by_peer(sock: socket.socket) -> bool:
-    """True when the peer closed this outgoing connection (it never writes to it)."""
-    poller = select.poll()
+def _closed_by_peer(sock: socket.socket, poller: Any) -> bool:
+    """True when the peer closed this outgoing connection (it never writes to it).
+
+    ``poller``: a ``select.poll`` with ``sock`` registered for reading (one syscall here).
+    """
     try:
-        poller.register(sock, select.POLLIN)
         if not poller.poll(0):
             return False
         return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
@@ -415,6 +416,7 @@ class _OutConn:
         self.info: PeerInfo | None = None
         self.pgs: dict[str, Any] = {}
         self.pool = _new_pool()
+        self.poller: Any = None  # select.poll of ``sock``: did the peer close it?
         self.lock = threading.Lock()  # guards sock/info setup
 
     def submit(self, msg: Outgoing, async_op: bool) -> concurrent.futures.Future:
@@ -488,6 +490,7 @@ class _OutConn:
         """Drop the connection and what belongs to it (the caller holds ``lock``)."""
         _close(self.sock)
         self.sock = None
+        self.poller = None
         self.pgs = {}
         self.pool.close()
         self.pool = _new_pool()
@@ -820,6 +823,8 @@ class Endpoint:
             _close(sock)
             raise
         sock.settimeout(CONFIG.peer_check_interval_s)
+        conn.poller = select.poll()
+        conn.poller.register(sock, select.POLLIN)
         conn.sock, conn.info, conn.pgs = sock, info, {}
 
     def _await_endpoint(self, peer: str) -> PeerInfo:
@@ -890,7 +895,7 @@ class Endpoint:
 
     def _send_message(self, conn: _OutConn, msg: Outgoing) -> None:
         with conn.lock:
-            if conn.sock is not None and _closed_by_peer(conn.sock):
+            if conn.sock is not None and _closed_by_peer(conn.sock, conn.poller):
                 conn.reset()  # that incarnation is gone: this message goes to the current one
             if conn.sock is None:
                 self._connect(conn)

@@ -43,7 +43,12 @@ def call_on_runner(runner: Any, func: Any, kwargs: dict[str, Any] | None) -> Any
 
 
 def method_name(func: Any) -> str:
-    return func if isinstance(func, str) else getattr(func, "__name__", "function")
+    """How errors and logs name a call of ``func``."""
+    if isinstance(func, str):
+        return func
+    if isinstance(func, list):
+        return "foreach_env_runner"
+    return getattr(func, "__name__", "foreach_env_runner")
 
 
 def runner_error(group: str, method: str, rank: int, err: BaseException) -> BaseException:

@@ -35,24 +35,25 @@ def pack_rows(
     bad = [n for n in lens if not 0 <= n <= T]
     if bad:
         raise ValueError(f"input_lengths {bad[:5]} outside [0, {T}] (sequence length {T})")
+    dev = input_ids.device
     starts, pieces, positions, segments = [], [], [], []
     at = 0
     for i, n in enumerate(lens):
         starts.append(at)
         pieces.append(input_ids[i, :n])
-        positions.append(torch.arange(n))
-        segments.append(torch.full((n,), i))
+        positions.append(torch.arange(n, device=dev))
+        segments.append(torch.full((n,), i, device=dev))
         at += n
     pad = -at % pad_to_multiple if at else pad_to_multiple
     if pad:
         pieces.append(input_ids.new_full((pad,), pad_id))
-        positions.append(torch.arange(pad))
-        segments.append(torch.full((pad,), B))
+        positions.append(torch.arange(pad, device=dev))
+        segments.append(torch.full((pad,), B, device=dev))
     ids = torch.cat(pieces).unsqueeze(0)
     pos = torch.cat(positions).unsqueeze(0)
     seg = torch.cat(segments)
     L = seg.numel()
-    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    causal = torch.ones(L, L, dtype=torch.bool, device=dev).tril()
     mask = (seg.unsqueeze(0) == seg.unsqueeze(1)) & causal
     return PackedRow(ids, pos, mask[None, None], starts, lens)
 
@@ -62,8 +63,7 @@ def _gather_index(packed: PackedRow, T: int) -> torch.Tensor:
     the row's last token (or the packed start for an empty row), so values stay finite."""
     rows = []
     for start, n in zip(packed.starts, packed.lengths):
-        idx = torch.arange(T).clamp(max=max(n - 1, 0)) + start
-        rows.append(idx)
+        rows.append(torch.arange(T).clamp(max=max(n - 1, 0)) + start)
     return torch.stack(rows) if rows else torch.zeros((0, T), dtype=torch.long)
 
 

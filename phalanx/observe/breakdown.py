@@ -3,15 +3,21 @@
 ``WallBreakdown`` adds up seconds per phase (``with breakdown.phase("learning"): ...``).
 Phases timed on a helper thread while the main thread did something else are recorded
 with ``overlapped=True``: they are shown, but not counted again in the total. The part
-of the wall time no phase covers is shown as ``other``.
+of the wall time no phase covers is shown as ``other``. ``save`` writes it to a run folder
+as ``breakdown.json``, which ``phalanx report`` shows.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+
+BREAKDOWN_FILE = "breakdown.json"
 
 
 def process_age_s() -> float:
@@ -64,3 +70,24 @@ class WallBreakdown:
             )
             lines.append(f"  {label:<{width}}  {s:7.2f} s  {share}")
         return "\n".join(lines)
+
+    def save(self, run_dir: str | os.PathLike[str], total_s: float) -> Path:
+        """Write ``run_dir/breakdown.json``: total, phases (seconds), overlapped phases."""
+        path = Path(run_dir) / BREAKDOWN_FILE
+        path.write_text(
+            json.dumps(
+                {
+                    "total_s": round(total_s, 3),
+                    "phases": self.as_dict(total_s),
+                    "overlapped": sorted(self.overlapped),
+                },
+                indent=1,
+            )
+        )
+        return path
+
+
+def read_breakdown(run_dir: str | os.PathLike[str]) -> dict | None:
+    """The saved breakdown of a run, or None when it has none."""
+    path = Path(run_dir) / BREAKDOWN_FILE
+    return json.loads(path.read_text()) if path.exists() else None

@@ -1,4 +1,5 @@
-"""GRPO end to end on the tiny addition task: reward rises; checkpoints resume."""
+"""GRPO end to end on the tiny addition task (reward rises, checkpoints resume), its
+command line, and the pieces a pretrained-model run adds."""
 
 from __future__ import annotations
 
@@ -12,8 +13,16 @@ import ray
 import torch
 
 import phalanx as px
-from phalanx.algorithms.grpo import GRPOConfig, _generate, group_normalized_advantages, train
-from phalanx.llm.loss import ClippedPGLossConfig, ClippedPGLossFn
+from phalanx.algorithms.grpo import (
+    GRPOConfig,
+    _generate,
+    cli,
+    derive_max_total_sequence_length,
+    group_normalized_advantages,
+    train,
+)
+from phalanx.llm.loss import ClippedPGLossConfig, ClippedPGLossFn, token_logprobs
+from phalanx.llm.onpolicy_loss import OnPolicyPGLossFn
 
 
 def test_group_normalized_advantages():
@@ -55,19 +64,76 @@ def test_clipped_pg_loss_values():
         )
 
 
+def test_on_policy_loss_is_the_clipped_loss_with_its_own_logprobs():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7, requires_grad=True)
+    data = {
+        "input_ids": torch.randint(0, 7, (2, 5)),
+        "token_mask": torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 0, 0]], dtype=torch.float32),
+        "sample_mask": torch.ones(2),
+        "advantages": torch.tensor([1.5, -0.5]),
+    }
+    cfg = ClippedPGLossConfig(0.2, 0.2, 0.0)
+    loss, m = OnPolicyPGLossFn(cfg)(logits, data, torch.tensor(2.0), torch.tensor(5.0))
+    prev = torch.nn.functional.pad(token_logprobs(logits, data["input_ids"]).detach(), (1, 0))
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    expected, m2 = ClippedPGLossFn(cfg)(
+        ref_logits, {**data, "prev_logprobs": prev}, torch.tensor(2.0), torch.tensor(5.0)
+    )
+    torch.testing.assert_close(loss, expected)
+    # ratio 1: the loss is -mean(A) over the valid tokens, nothing clipped
+    torch.testing.assert_close(loss, torch.tensor(-(1.5 * 3 - 0.5 * 2) / 5))
+    assert m["clip_frac_sum"] == 0 and m["ratio_sum"] == pytest.approx(5.0)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(logits.grad, ref_logits.grad)
+    assert "prev_logprobs" not in data  # the caller's batch is left as it was
+
+
+def test_derive_max_total_sequence_length():
+    assert derive_max_total_sequence_length(40, 192) == 240  # 232 rounded up to 16
+    assert derive_max_total_sequence_length(33, 64) == 112
+    assert derive_max_total_sequence_length(5, 4, model_max_positions=64) == 16
+    assert derive_max_total_sequence_length(50, 10, model_max_positions=64) == 64  # capped
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings 64"):
+        derive_max_total_sequence_length(60, 10, model_max_positions=64)
+    with pytest.raises(ValueError, match="must be positive"):
+        derive_max_total_sequence_length(0, 10)
+
+
 def test_config_errors_name_the_value(tmp_path):
     with pytest.raises(ValueError, match="samples_per_prompt"):
         GRPOConfig(samples_per_prompt=1).validate()
     with pytest.raises(ValueError, match="num_policy_workers 2"):
-        GRPOConfig(prompts_per_step=3, samples_per_prompt=3).validate()
+        GRPOConfig.tiny(prompts_per_step=3, samples_per_prompt=3).validate()
     with pytest.raises(ValueError, match="nope"):
-        GRPOConfig(model_dir=str(tmp_path / "nope")).validate()
+        GRPOConfig(model=str(tmp_path / "nope")).validate()
+    with pytest.raises(ValueError, match="train_global_batch_size 48 does not divide"):
+        GRPOConfig(train_global_batch_size=48).validate()
+    with pytest.raises(ValueError, match="time_limit_s"):
+        GRPOConfig(time_limit_s=0).validate()
+    with pytest.raises(ValueError, match="top_p"):
+        GRPOConfig(top_p=1.5).validate()
+    # Pretrained defaults: no warm-up, a small learning rate, 128-256 new tokens.
+    d = GRPOConfig()
+    assert d.warmup_steps == 0 and 1e-6 <= d.lr <= 1e-5 and 128 <= d.max_new_tokens <= 256
+    assert d.max_total_sequence_length is None  # derived from the task's prompts
+
+
+def test_cli_rejects_bad_input_before_starting_anything(tmp_path, capsys):
+    assert cli(["--help"]) == 0
+    assert "--max-new-tokens" in capsys.readouterr().out
+    assert cli(["--no-such-flag"]) == 1
+    assert cli(["--samples-per-prompt", "1", "--run-dir", str(tmp_path)]) == 1
+    assert "samples_per_prompt must be >= 2" in capsys.readouterr().err
+    assert cli(["--resume", "--run-dir", str(tmp_path / "none")]) == 1
+    assert "no checkpoint" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(600)
 def test_grpo_raises_reward_and_resumes(cluster, tmp_path):
     run_dir = str(tmp_path / "run")
-    cfg = GRPOConfig(run_dir=run_dir, steps=40, checkpoint_every=20, progress=False)
+    cfg = GRPOConfig.tiny(run_dir=run_dir, steps=40, checkpoint_every=20, progress=False)
     result = train(cfg, cluster)
     hist = result["history"]
     assert [h["step"] for h in hist] == list(range(1, 41))
@@ -88,7 +154,11 @@ def test_grpo_raises_reward_and_resumes(cluster, tmp_path):
         lines = [json.loads(x) for x in f]
     assert sum("reward_mean" in x for x in lines) == 40
     assert sum("p_correct" in x for x in lines) == 5
-    assert os.path.exists(os.path.join(run_dir, "reward.png"))
+    # Greedy accuracy on the held-out split (all 100 prompts) at the same steps.
+    accs = {x["step"]: x["eval/accuracy"] for x in lines if "eval/accuracy" in x}
+    assert sorted(accs) == [0, 10, 20, 30, 40] and all(0 <= a <= 1 for a in accs.values())
+    assert dict(result["eval_accuracy"]) == accs
+    assert os.path.exists(os.path.join(run_dir, "curve.png"))
     assert os.path.exists(os.path.join(run_dir, "checkpoints", "step_40", "state.json"))
 
     # Resume from step 40 for two more steps.
@@ -145,7 +215,7 @@ def test_generate_retries_once_after_a_worker_died(cluster, tmp_path):
 @pytest.mark.timeout(90)
 def test_grpo_survives_a_generation_worker_killed_between_steps(cluster, tmp_path):
     run_dir = str(tmp_path / "run")
-    cfg = GRPOConfig(
+    cfg = GRPOConfig.tiny(
         run_dir=run_dir,
         steps=2,
         prompts_per_step=2,
@@ -181,3 +251,46 @@ def test_grpo_survives_a_generation_worker_killed_between_steps(cluster, tmp_pat
     assert hist[0]["generation_restarts"] == 0
     assert hist[1]["generation_restarts"] == 1  # restarted, refitted, and step 2 ran
     assert all(h["response_length"] > 0 for h in hist)
+
+
+@pytest.mark.timeout(300)
+def test_two_steps_through_the_cli_then_resume(cluster, tmp_path):
+    """``phalanx train grpo --model tiny ...``: flags from the config dataclass, held-out
+    accuracy in metrics.jsonl, a checkpoint, and --resume taking its config from it."""
+    run_dir = str(tmp_path / "run")
+    argv = [
+        "--model", "tiny",
+        "--run-dir", run_dir,
+        "--steps", "2",
+        "--prompts-per-step", "2",
+        "--samples-per-prompt", "2",
+        "--train-micro-batch-size", "2",
+        "--warmup-steps", "0",
+        "--eval-every", "1",
+        "--eval-size", "10",
+        "--checkpoint-every", "2",
+        "--no-progress",
+    ]  # fmt: skip
+    assert cli(argv) == 0
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(x) for x in f]
+    assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2]
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 1, 2]
+    step2 = [r for r in rows if r["step"] == 2][0]
+    for key in ("time/generation", "time/training", "memory/generation_peak_gb",
+                "memory/training_peak_gb", "truncated", "groups_with_signal"):  # fmt: skip
+        assert key in step2, key
+    assert step2["memory/training_peak_gb"] > 0.05  # a real process high-water mark
+    with open(os.path.join(run_dir, "config.json")) as f:
+        saved = json.load(f)
+    assert saved["model"] == "tiny" and saved["task"] == "tiny-addition"
+    assert saved["max_total_sequence_length"] == 16  # "<s>9+9=" (5) + 4 new, rounded to 16
+    assert os.path.exists(os.path.join(run_dir, "checkpoints", "step_2", "state.json"))
+
+    # Resume one more step: the flags not given come from the checkpoint's config.
+    assert cli(["--resume", "--run-dir", run_dir, "--steps", "3", "--no-progress"]) == 0
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(x) for x in f]
+    assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2, 3]
+    # A fresh run into a folder with checkpoints is refused, naming --resume.
+    assert cli(argv) == 1

@@ -240,3 +240,64 @@ def test_collective_refit_waits_at_most_peer_timeout_for_a_busy_generator(
 
 def _sleep(worker, seconds):
     time.sleep(seconds)
+
+
+def _local_worker(model_path, tokenizer, **over):
+    worker = HFGenerationWorker.__new__(HFGenerationWorker)
+    worker.__init__(_gen_cfg(model_path, num_threads=1, **over), tokenizer)
+    return worker
+
+
+def test_decoding_loop_matches_hf_generate_with_shared_prefills(model_path, tokenizer):
+    """Repeated prompts share one prefill and rows leave the batch as they finish; greedy
+    tokens and their log-probs are still those of HF generate, row by row, and no
+    [B, new, V] logits come back."""
+    from transformers import AutoModelForCausalLM
+
+    worker = _local_worker(model_path, tokenizer, max_new_tokens=6)
+    data = _prompts(tokenizer, n=4, seed=3).repeat_interleave(3)
+    out = worker.generate(data, greedy=True)
+    assert set(out.keys()) == {
+        "output_ids",
+        "logprobs",
+        "generation_lengths",
+        "unpadded_sequence_lengths",
+    }
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    for i in range(data.size):
+        n = int(data["input_lengths"][i])
+        ref = model.generate(
+            input_ids=data["input_ids"][i : i + 1, :n],
+            attention_mask=torch.ones(1, n, dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=6,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        new = ref.sequences[0, n:]
+        g = int(out["generation_lengths"][i])
+        assert g == len(new)
+        assert out["output_ids"][i, n : n + g].tolist() == new.tolist()
+        lp = torch.log_softmax(torch.stack(ref.logits)[:, 0].float(), -1)
+        expected = lp.gather(-1, new[:, None]).squeeze(-1)
+        torch.testing.assert_close(out["logprobs"][i, n : n + g], expected, atol=1e-5, rtol=0)
+
+
+def test_sampling_is_per_row_and_top_p_narrows_it(model_path, tokenizer):
+    data = _prompts(tokenizer, n=1, seed=5).repeat_interleave(8)
+    hot = _local_worker(model_path, tokenizer, max_new_tokens=6, temperature=2.0)
+    rows = {tuple(r) for r in hot.generate(data)["output_ids"].tolist()}
+    assert len(rows) > 1  # one shared prefill, yet every row samples on its own
+    again = _local_worker(model_path, tokenizer, max_new_tokens=6, temperature=2.0)
+    assert torch.equal(
+        again.generate(data)["output_ids"],
+        _local_worker(model_path, tokenizer, max_new_tokens=6, temperature=2.0).generate(data)[
+            "output_ids"
+        ],
+    )  # the same seed samples the same tokens
+    # A nucleus this small keeps only the most likely token: sampling becomes greedy.
+    narrow = _local_worker(model_path, tokenizer, max_new_tokens=6, top_p=1e-6)
+    greedy = narrow.generate(data, greedy=True)["output_ids"]
+    assert torch.equal(narrow.generate(data)["output_ids"], greedy)

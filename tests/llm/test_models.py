@@ -20,10 +20,10 @@ TEMPLATE = (
 
 def _tiny_vocab() -> tuple[list[str], list[int], list[str]]:
     """A byte-level BPE vocabulary: 3 special tokens, the 256 byte symbols, a few merges."""
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    from tokenizers.pre_tokenizers import ByteLevel
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    byte_syms = list(bytes_to_unicode().values())
+    byte_syms = sorted(ByteLevel.alphabet())
     merges = ["1 2", "Ġ +", "Ġ 1"]
     merged = [m.replace(" ", "") for m in merges]
     tokens = specials + byte_syms + merged
@@ -34,7 +34,11 @@ def _tiny_vocab() -> tuple[list[str], list[int], list[str]]:
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's q/k row order (rotary halves interleaved per head), which transformers'
     GGUF loader undoes."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def write_tiny_gguf(path: str) -> dict[str, torch.Tensor]:
@@ -133,7 +137,11 @@ def test_gguf_round_trip(tmp_path, monkeypatch):
         assert torch.equal(got[k], v), k
 
     tok = AutoTokenizer.from_pretrained(out)
-    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|im_end|>")
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == (
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|im_end|>",
+    )
     ids = tok("12 + 1", add_special_tokens=False)["input_ids"]
     assert tok.decode(ids) == "12 + 1"
     assert tok.convert_ids_to_tokens(ids)[0] == "12"  # the merge "1 2" applied

@@ -228,9 +228,20 @@ def test_dynamic_batching_tp2_custom_plan_on_virtual_cluster_equals_plain(
 def test_sequence_packing_with_cpu_offload_equals_plain(
     plain_run, cluster, model_path, tokenizer, order
 ) -> None:
+    # Also NeMo-RL keys that must not change the result here: a SequentialLR of two
+    # constant schedules, gradient sync on every micro-batch, cache clearing, a no-op
+    # config override and NeMo-RL's refit buffer size.
+    constant = {"name": "torch.optim.lr_scheduler.ConstantLR", "kwargs": {"factor": 1.0}}
     cfg = _nemo_cfg(
         model_path,
-        dtensor_cfg={"cpu_offload": True},
+        dtensor_cfg={
+            "cpu_offload": True,
+            "defer_fsdp_grad_sync": False,
+            "clear_cache_every_n_steps": 1,
+        },
+        scheduler=[constant, constant, {"milestones": [1]}],
+        hf_config_overrides={"rms_norm_eps": 1e-6},
+        refit_buffer_size_gb=0.01,
         sequence_packing={
             "enabled": True,
             "train_mb_tokens": 24,
@@ -244,7 +255,9 @@ def test_sequence_packing_with_cpu_offload_equals_plain(
     with pytest.warns(UserWarning, match="learning_rate"):
         policy = Policy(cluster, cfg, tokenizer, name_prefix=f"nemo_pack_{order}", num_workers=2)
     try:
-        _assert_same_as_plain(plain_run, _run(policy, plain_run[0]))
+        results = _run(policy, plain_run[0])
+        _assert_same_as_plain(plain_run, results)
+        assert results[2]["lr"] == 1.0
     finally:
         policy.shutdown()
 
