@@ -115,7 +115,14 @@ def main() -> None:
         cluster = px.Cluster(num_nodes=args.nodes, address=local.address)
     else:
         # a fresh local Ray even if a `ray start` cluster runs on this machine
-        ray.init(address="local", num_cpus=max(sizes) + 4, include_dashboard=False)
+        for attempt in (1, 2):  # Ray gives its raylet a fixed 30 s; a loaded machine may need more
+            try:
+                ray.init(address="local", num_cpus=max(sizes) + 4, include_dashboard=False)
+                break
+            except Exception as e:
+                if attempt == 2 or "timed out during startup" not in str(e):
+                    raise
+                ray.shutdown()
         cluster = px.Cluster()
     where = f"{args.nodes} nodes" if args.nodes > 1 else "1 node"
     rows = []

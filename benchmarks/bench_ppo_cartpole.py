@@ -100,20 +100,28 @@ def main() -> None:
             base.append(run(base_seeds[i], 0, extra))
             show("baseline, one process", base[-1])
     ok = all(r["rc"] == 0 and r["reached"] for r in ours)
-    med = statistics.median(r["t450"] for r in ours)
+    done = [r for r in ours if r["reached"]]
+    failed = [r["seed"] for r in ours if not r["reached"]]
+    if not done:
+        print(f"no seed reached 450 (failed: {failed})")
+        sys.exit(1)
+    med = statistics.median(r["t450"] for r in done)
     lo, hi = RLLIB_ANCHOR_S
-    print(f"every seed reached 450: {ok}; median time to 450 (start-up included): {med:.1f} s "
-          f"over seeds {seeds}; median process wall {statistics.median(r['wall'] for r in ours):.1f} s")  # fmt: skip
+    print(f"every seed reached 450: {ok}" + (f" (failed: seeds {failed})" if failed else "")
+          + f"; median time to 450 (start-up included): {med:.1f} s over seeds "
+          f"{[r['seed'] for r in done]}; median process wall "
+          f"{statistics.median(r['wall'] for r in done):.1f} s")  # fmt: skip
     print(f"vs RLlib 2.60 anchor {lo:.0f}-{hi:.0f} s: {med / hi:.2f}x-{med / lo:.2f}x "
           f"(goal <= 0.3x: {'met' if med <= 0.3 * lo else 'met against the slow end only' if med <= 0.3 * hi else 'missed'})")  # fmt: skip
+    base = [r for r in base if r["reached"]]
     if base:
         bmed = statistics.median(r["t450"] for r in base)
         print(f"baseline, one process without Ray: median {bmed:.1f} s to 450; "
               f"phalanx / baseline: {med / bmed:.2f}x")  # fmt: skip
-    keys = sorted({k for r in ours for k in r["breakdown"]})
+    keys = sorted({k for r in done for k in r["breakdown"]})
     print("median breakdown over the phalanx runs (s):")
-    for k in sorted(keys, key=lambda k: -statistics.median(r["breakdown"].get(k, 0) for r in ours)):
-        print(f"  {k:<32} {statistics.median(r['breakdown'].get(k, 0.0) for r in ours):6.2f}")
+    for k in sorted(keys, key=lambda k: -statistics.median(r["breakdown"].get(k, 0) for r in done)):
+        print(f"  {k:<32} {statistics.median(r['breakdown'].get(k, 0.0) for r in done):6.2f}")
     sys.exit(0 if ok else 1)
 
 

@@ -3,7 +3,8 @@
 Runs ``phalanx train ppo --env CartPole-v1 --env-runners 2 --stop-return 450`` as a
 subprocess, ``--runs`` times clean and ``--runs`` times while a killer sends SIGKILL to one
 of its env runner processes every ``--every`` seconds, from the moment the first runner
-process exists (so the first kills land while the runners are still starting). Only
+process exists: the first ``--startup-kills`` land while the runners are still starting
+(in ``__init__``), later ones hit a runner that finished starting. Only
 processes that descend from the run's own driver and carry its group name are killed.
 
 Reports, per run: exit status, whether the stop return was reached, the time to reach it
@@ -58,13 +59,28 @@ def _runner_processes(driver: psutil.Process, group_prefix: str) -> list[psutil.
     return out
 
 
-def _killer(driver: psutil.Process, group_prefix: str, every_s: float, stop: threading.Event,
-            kills: list[tuple[float, int, str]], t0: float) -> None:  # fmt: skip
-    """SIGKILL one runner process every ``every_s`` s, starting when the first one exists."""
+def _started(proc: psutil.Process) -> bool:
+    """Has the runner finished ``__init__``? (Ray titles a worker with its current call.)"""
+    try:
+        return not " ".join(proc.cmdline()).rstrip().endswith("__init__")
+    except psutil.Error:
+        return False
+
+
+def _killer(driver: psutil.Process, group_prefix: str, every_s: float, startup_kills: int,
+            stop: threading.Event, kills: list[tuple[float, int, str]], t0: float) -> None:  # fmt: skip
+    """SIGKILL one runner process every ``every_s`` s, starting when the first one exists.
+
+    The first ``startup_kills`` kills take any runner, so they land in ``__init__``; later
+    ones take a runner that finished starting (a period shorter than a restart would
+    otherwise keep every runner in ``__init__`` for ever on a slow machine).
+    """
     turn = 0
     next_at = None
     while not stop.is_set():
         procs = _runner_processes(driver, group_prefix)
+        if len(kills) >= startup_kills:
+            procs = [p for p in procs if _started(p)]
         now = time.perf_counter()
         if procs and (next_at is None or now >= next_at):
             victim = procs[turn % len(procs)]
@@ -79,7 +95,7 @@ def _killer(driver: psutil.Process, group_prefix: str, every_s: float, stop: thr
         stop.wait(0.05)
 
 
-def run_once(chaos: bool, seed: int, every_s: float, timeout_s: float) -> dict:
+def run_once(chaos: bool, seed: int, every_s: float, startup_kills: int, timeout_s: float) -> dict:
     runs_dir = tempfile.mkdtemp(prefix="phalanx_chaos_")
     name = f"chaos{int(chaos)}_{seed}_{os.getpid()}"
     argv = [sys.executable, "-m", "phalanx.cli", *README_COMMAND, "--seed", str(seed),
@@ -93,7 +109,15 @@ def run_once(chaos: bool, seed: int, every_s: float, timeout_s: float) -> dict:
         # the group is named ppo_<name>_<driver pid> (phalanx.algorithms.ppo.train)
         killer = threading.Thread(
             target=_killer,
-            args=(psutil.Process(proc.pid), f"ppo_{name}_{proc.pid}", every_s, stop, kills, t0),
+            args=(
+                psutil.Process(proc.pid),
+                f"ppo_{name}_{proc.pid}",
+                every_s,
+                startup_kills,
+                stop,
+                kills,
+                t0,
+            ),  # fmt: skip
             daemon=True,
         )
         killer.start()
@@ -140,12 +164,14 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3, help="runs per mode (default 3)")
     p.add_argument("--every", type=float, default=3.0, help="seconds between kills (default 3)")
     p.add_argument("--seed", type=int, default=1, help="seed of the first run (then +1, ...)")
+    p.add_argument("--startup-kills", type=int, default=2,
+                   help="kills that may hit a runner still in __init__ (default 2)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run")
     args = p.parse_args()
     results = []
     for i in range(args.runs):  # clean and chaos alternate, so load drifts hit both alike
         for chaos in (False, True):
-            r = run_once(chaos, args.seed + i, args.every, args.timeout)
+            r = run_once(chaos, args.seed + i, args.every, args.startup_kills, args.timeout)
             results.append(r)
             first_kill = (
                 f", first kill at {r['kills'][0][0]:.1f} s ({r['kills'][0][2]})"

@@ -470,14 +470,22 @@ def start_ray() -> None:
 
     if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
         return
-    ray.init(
-        address="local",
-        num_cpus=max(DEFAULT_EMBEDDED_CPUS, os.cpu_count() or 1),
-        num_gpus=0,
-        include_dashboard=False,
-        namespace=NAMESPACE,
-        _system_config={"prestart_worker_first_driver": False, "worker_niceness": 0},
-    )
+    for attempt in (1, 2):
+        try:
+            ray.init(
+                address="local",
+                num_cpus=max(DEFAULT_EMBEDDED_CPUS, os.cpu_count() or 1),
+                num_gpus=0,
+                include_dashboard=False,
+                namespace=NAMESPACE,
+                _system_config={"prestart_worker_first_driver": False, "worker_niceness": 0},
+            )
+            return
+        except Exception as e:  # Ray gives its raylet a fixed 30 s to register
+            if attempt == 2 or "timed out during startup" not in str(e):
+                raise
+            print(f"phalanx: {e} Starting Ray once more.", file=sys.stderr, flush=True)
+            ray.shutdown()
 
 
 @dataclass

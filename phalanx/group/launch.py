@@ -332,10 +332,10 @@ class Roster:
         if self._initializer is not None:
             try:
                 ray.get(self._initializer.__ray_ready__.remote(), timeout=timeout)
-            except RayActorError:  # it died (and with it the workers it owned): a new one
-                self._initializer = self.builder.new_initializer()
             except GetTimeoutError:
                 pass  # slow, not dead: dropping it would kill the workers it owns
+            except Exception:  # noqa: BLE001 - died (killed, OOM): its workers died with it
+                self._initializer = self.builder.new_initializer()
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -134,3 +134,34 @@ def test_server_proves_itself_to_the_client(peers, tmp_path):
         client_handshake(client, b"s" * 32, "squatter:0")
     for s in (client, conn, server):
         s.close()
+
+
+def test_pg_message_must_name_the_peers_own_address(peers):
+    """Even an authenticated peer cannot send a worker to a TCP store on another host."""
+    from phalanx.comm.auth import client_handshake
+
+    secret = internal_kv._internal_kv_get(b"auth/secret", namespace="phalanx_comm")
+    info = _announced("sec_b:0")
+    decoy = socket.create_server(("127.0.0.2", 0))  # not the address this client announces
+    me = {
+        "name": "px-driver-sectest",
+        "incarnation": "-/0/sectest",
+        "ip": info["ip"],
+        "port": 1,
+        "node_id": "sectest",
+        "pid": os.getpid(),
+        "is_actor": False,
+        "gpu_uuids": [],
+        "actor_id": "",
+    }
+    with socket.create_connection((info["ip"], info["port"]), timeout=30) as sock:
+        client_handshake(sock, secret, "sec_b:0")
+        hello = json.dumps(me).encode()
+        sock.sendall(struct.pack("<I", len(hello)) + hello)
+        meta = pickle.dumps(("pg", "k", [], ("gloo", "127.0.0.2", decoy.getsockname()[1])))
+        sock.sendall(struct.pack("<QQ", len(meta), 0) + meta)
+        assert _closed_by_server(sock) == b""  # refused, connection dropped
+    decoy.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        decoy.accept()  # nobody was sent to the decoy store
+    decoy.close()
