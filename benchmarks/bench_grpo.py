@@ -27,7 +27,7 @@ def _grpo_breakdown(steps: int, cluster) -> None:
     from phalanx.algorithms.grpo import GRPOConfig, train
 
     with tempfile.TemporaryDirectory() as d:
-        cfg = GRPOConfig(
+        cfg = GRPOConfig.tiny(
             run_dir=d, steps=steps, warmup_steps=5, checkpoint_every=10**6, progress=False
         )
         hist = train(cfg, cluster)["history"][1:]  # drop the first (warm-up) step
@@ -38,7 +38,9 @@ def _grpo_breakdown(steps: int, cluster) -> None:
         t = statistics.median(h[f"time/{p}"] for h in hist)
         print(f"  {p:<11} {t * 1000:8.1f} ms  ({t / step:5.1%} of step)")
     print(f"  step        {step * 1000:8.1f} ms")
-    print(f"  generated tokens/s: {statistics.median(h['tokens_per_s'] for h in hist):.0f}")
+    print(
+        f"  generated tokens/s: {statistics.median(h['throughput/tokens_per_s'] for h in hist):.0f}"
+    )
     share = statistics.median(h["time/refit"] / h["time/step"] for h in hist)
     print(f"RATIO refit share of the GRPO step: {share:.1%} (goal < 5%)")
 

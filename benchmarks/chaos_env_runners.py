@@ -5,9 +5,11 @@ Three runs of ``phalanx train ppo --env CartPole-v1 --env-runners 2 --stop-retur
 
 1. clean: nothing fails (the baseline);
 2. kill: a thread SIGKILLs one remote runner's process every 3 s (the runners in turn);
-3. raise: every runner's env raises ``ValueError`` on every 2,000th env step of its
-   process (all sub-envs of the runner counted together), so each runner fails about
-   every 2,000 steps, then again after every restart.
+3. raise: every env raises ``ValueError`` on every 2,000th of its own steps (counted
+   per env instance; a runner's sub-envs step together, so the runner fails once every
+   2,000 vector steps, then again 2,000 steps after each restart). (Counting the steps
+   of a whole runner process instead would cut every episode below 250 steps with 8
+   sub-envs, and 450 could never be reached.)
 
 Each run must reach the stop return; the script prints wall time, timesteps, the
 restarts the EnvRunnerGroup counted (RLlib's count: runners brought back into service)
@@ -36,19 +38,19 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYT
 
 RAISE_EVERY = 2000
 RAISING_ENV = "chaos_env_runners:RaisingCartPole-v1"
-_process_steps = [0]  # env steps of this process, over all its sub-envs
 
 
 class RaisingCartPole(gym.Wrapper):
-    """CartPole whose process raises on every ``RAISE_EVERY``-th env step."""
+    """CartPole that raises on every ``RAISE_EVERY``-th of its own steps."""
 
     def __init__(self, **kwargs: Any):
         super().__init__(gym.make("CartPole-v1", **kwargs))
+        self.steps = 0
 
     def step(self, action: Any):
-        _process_steps[0] += 1
-        if _process_steps[0] % RAISE_EVERY == 0:
-            raise ValueError(f"chaos: env step {_process_steps[0]} of pid {os.getpid()}")
+        self.steps += 1
+        if self.steps % RAISE_EVERY == 0:
+            raise ValueError(f"chaos: env step {self.steps} in pid {os.getpid()}")
         return self.env.step(action)
 
 

@@ -43,7 +43,9 @@ README_COMMAND = [
 
 
 def _runner_processes(driver: psutil.Process, group_prefix: str) -> list[psutil.Process]:
-    """The run's env runner processes: descendants of its driver named after its group."""
+    """The run's env runner processes: descendants of its driver (whose Ray it started)
+    titled as env runners (``ray::<group>:<rank>:Host[EnvRunner].__init__`` while starting,
+    ``ray::Host[EnvRunner].<method>`` after)."""
     out = []
     try:
         children = driver.children(recursive=True)
@@ -54,7 +56,7 @@ def _runner_processes(driver: psutil.Process, group_prefix: str) -> list[psutil.
             title = " ".join(proc.cmdline())
         except psutil.Error:
             continue
-        if group_prefix in title and "EnvRunner" in title:
+        if "Host[EnvRunner]" in title and (group_prefix in title or not title.endswith("__init__")):
             out.append(proc)
     return out
 

@@ -795,7 +795,9 @@ def train(cfg: GRPOConfig, cluster: Any = None) -> dict[str, Any]:
                 row.update(evaluate(step))
             metrics.log(step, row)
             history.append({"step": step, **row})
-            bar.update(step, row)
+            bar.update(
+                step, {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+            )
             if "eval/accuracy" in row:
                 bar.log(f"[grpo] step {step}: held-out accuracy {row['eval/accuracy']:.3f}")
 

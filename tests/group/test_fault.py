@@ -331,6 +331,21 @@ def test_died_during_call_ignore_mode_keeps_the_rest(make_group, tmp_path):
     assert _until(lambda: g.health()[2] == H.DEAD)
 
 
+def test_future_of_bare_refs_uses_the_group_collect_path(make_group, tmp_path):
+    """``MultiWorkerFuture.get_results`` handles a death as ``GroupHandle.wait`` does:
+    ignored per policy, the rank marked, the call named."""
+    g = make_group(3, px.RestartPolicy.never(ignore_failures=True))
+    refs = g.run_all_workers_single_data("slow_signal", 3, str(tmp_path))
+    assert _started(tmp_path, 0, 1, 2)
+    _kill(g, 2)
+    assert px.MultiWorkerFuture(refs).get_results(g, timeout=60) == [0, 1]
+    assert _until(lambda: g.health()[2] == H.DEAD)
+    refs = g.run_all_workers_single_data("fail")
+    with pytest.raises(px.WorkerError) as info:  # an exception is raised even when ignoring
+        px.MultiWorkerFuture(refs, called_workers=[0, 1]).get_results(g, timeout=60)
+    assert (info.value.rank, info.value.method) == (0, "fail")
+
+
 def test_sharded_dispatch_restarts_dead_member_first(make_group, tmp_path):
     g = make_group(2, px.RestartPolicy(), sharding=px.NamedSharding([[0, 1]], ["dp", "tp"]))
     g.register_state(None, {"value": 7})
