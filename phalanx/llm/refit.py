@@ -128,8 +128,8 @@ class Refitter:
             )
             pg.call("broadcast_weights_for_collective").wait(timeout=t)
         except Exception as e:
-            if self.sender.pending:
-                self.sender.wait_async()
+            if self.sender.pending:  # the generators' halves fail on their own
+                self.sender.abandon_prepared()
             self._info = None  # rebuilt at the next refit
             raise self._broadcast_error(e) from e
         result = self.sender.wait_async()

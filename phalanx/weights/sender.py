@@ -254,6 +254,18 @@ class WeightSender:
         """Send ``weights`` to every worker and wait (TorchRL's ``update_weights``)."""
         return self.send(weights)
 
+    def abandon_prepared(self) -> None:
+        """Give up on a pending ``send_prepared(wait=False)`` without waiting for its acks.
+
+        For a caller whose own part failed (e.g. the trainer's broadcast timed out): the
+        receivers' halves then fail, or ignore the version, on their own. The version
+        number stays used.
+        """
+        p = self._pending
+        if p is None or not p.prepared:
+            raise RuntimeError("abandon_prepared(): no send_prepared(wait=False) is pending")
+        self._pending = None
+
     def send_prepared(
         self,
         transport: str,
