@@ -242,6 +242,9 @@ class Roster:
             "px_context": ctx,
             "px_env_layers": self.env_layers,
             "num_gpus_per_node": getattr(self.cluster, "num_gpus_per_node", None),
+            # Fate-share with the driver (or the initializer it owns) even when the class
+            # asks for ``lifetime="detached"``: a killed driver must take its group along.
+            "lifetime": None,
         }
         if self.max_concurrency is not None:
             options["max_concurrency"] = self.max_concurrency

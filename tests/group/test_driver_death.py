@@ -3,9 +3,10 @@
 The driver is a separate process joined to the test's Ray. It launches a group, writes the
 workers' pids to a file and then waits on its stdin; the test kills it once the file is
 there and polls the GCS's named-actor table (with a deadline) until no actor of the group is alive.
-Two ownership paths are covered: workers created by the driver itself (a worker class) and
-workers created by an ``IsolatedWorkerInitializer`` actor (a dotted class path), which the
-driver owns in turn.
+Three cases: workers created by the driver itself (a worker class), workers created by an
+``IsolatedWorkerInitializer`` actor (a dotted class path) that the driver owns in turn, and
+a class whose ``@ray.remote(lifetime="detached")`` options would make its actors outlive
+the driver (phalanx's launch overrides that: group workers always fate-share).
 """
 
 from __future__ import annotations
@@ -37,9 +38,12 @@ from phalanx.resources.cluster import NAMESPACE
 ray.init(address=address, namespace=NAMESPACE)
 if mode == "class":
     g = Recorder.create_group("d").launch(px.Cluster(), px.NodePlacement(num_workers=2), name)
-else:
+elif mode == "fqn":  # workers created by an initializer actor the driver owns
     vc = px.RayVirtualCluster([2], use_gpus=False, name=name)
     g = px.RayWorkerGroup(vc, px.RayWorkerBuilder("tests.workers.Recorder", "d"), name_prefix=name)
+else:  # a class whose Ray options ask for detached actors, placed outside any placement group
+    builder = px.RayWorkerBuilder(ray.remote(lifetime="detached")(Recorder), "d")
+    g = px.WorkerGroup(None, builder).launch(px.Cluster(), px.NodePlacement(num_workers=2), name)
 pids = [m["pid"] for m in g.worker_metadata]
 with open(ready + ".tmp", "w") as f:
     json.dump(pids, f)
@@ -76,7 +80,7 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("mode", ["class", "fqn"])
+@pytest.mark.parametrize("mode", ["class", "fqn", "detached"])
 def test_killed_driver_leaves_no_group_actors(cluster, tmp_path, mode):
     name = f"orphan_{mode}"
     ready = str(tmp_path / "ready.json")
@@ -115,3 +119,5 @@ def test_killed_driver_leaves_no_group_actors(cluster, tmp_path, mode):
         if driver.poll() is None:
             driver.kill()
             driver.wait(timeout=20)
+        for left in _alive_actors(name):  # only after a failure: do not leak into other tests
+            ray.kill(ray.get_actor(left, namespace=NAMESPACE), no_restart=True)
