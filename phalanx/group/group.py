@@ -49,7 +49,9 @@ from phalanx.group.launch import (
     bundle_indices_for,
     check_bundle_indices,
     check_resources,
+    check_sharding,
     pin_to_nodes,
+    placement_slots,
     resolve_name,
     wait_names_free,
 )
@@ -193,6 +195,7 @@ class WorkerGroup:
         placement: Placement | None = None,
         name: str | None = None,
         max_concurrency: int | None = None,
+        isolate_gpu: bool | None = None,
         *,
         placement_strategy: Placement | None = None,
         sharding: NamedSharding | None = None,
@@ -205,7 +208,9 @@ class WorkerGroup:
         With no placement: one worker per GPU if the cluster has GPUs, else one CPU worker
         per node (``NodePlacement()``). ``placement_strategy`` is RLinf's name for
         ``placement``. ``max_concurrency`` (RLinf): how many calls each worker's actor runs
-        at once (default 1: calls run one after another).
+        at once (default 1: calls run one after another). ``isolate_gpu`` (RLinf): whether
+        each worker of an RLinf ``PlacementStrategy`` sees only its own GPUs (``None``:
+        RLinf's default, True); phalanx placements take it when built instead.
         """
         if self._state == _RUNNING:
             raise RuntimeError(f"group {self.name!r} is already launched")
@@ -234,6 +239,10 @@ class WorkerGroup:
         if name is not None:
             self.name_prefix = name
         if isinstance(cluster, RayVirtualCluster):
+            if isolate_gpu is not None:
+                raise ValueError(
+                    "isolate_gpu: a RayVirtualCluster already fixes each worker's devices"
+                )
             if placement is not None:
                 raise ValueError(
                     "placement: a RayVirtualCluster already fixes placement; pass one or the other"
@@ -247,7 +256,7 @@ class WorkerGroup:
             )
         self.cluster = cluster
         placement = placement if placement is not None else default_placement(cluster)
-        slots = placement.slots(cluster)
+        slots = placement_slots(placement, cluster, isolate_gpu)
         check_resources(cluster, slots)
         pin_to_nodes(slots)
         self._start(slots)
@@ -268,11 +277,7 @@ class WorkerGroup:
         self._start(vc.slots(bundle_indices_list))
 
     def _start(self, slots: list[WorkerSlot]) -> None:
-        sh = self.sharding_annotations
-        if sh is not None and sh.size != len(slots):
-            raise ValueError(
-                f"sharding_annotations covers {sh.size} ranks, the group has {len(slots)} workers"
-            )
+        check_sharding(self.sharding_annotations, len(slots))
         roster = self._roster
         roster.cluster = self.cluster
         policy = self._fault.policy

@@ -23,7 +23,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from phalanx._base.errors import WorkerError
 from phalanx.group.results import unwrap_error
 from phalanx.resources.cluster import NAMESPACE, Cluster, find_free_port
-from phalanx.resources.placement import WorkerSlot
+from phalanx.resources.placement import Placement, WorkerSlot
+from phalanx.resources.strategies import PlacementStrategy
 from phalanx.resources.virtual_cluster import RayVirtualCluster
 from phalanx.worker.builder import RayWorkerBuilder, allowlisted_env
 from phalanx.worker.worker import WorkerContext
@@ -104,6 +105,51 @@ def check_resources(cluster: Cluster, slots: list[WorkerSlot]) -> None:
                 raise ValueError(
                     f"placement: node {node_rank} ({node.ip}) has {have:g} {key}, the group needs {res[key]:g}"
                 )
+
+
+def placement_slots(
+    placement: Placement, cluster: Cluster, isolate_gpu: bool | None
+) -> list[WorkerSlot]:
+    """The placement's slots, with RLinf's ``launch(isolate_gpu=...)`` applied.
+
+    For an RLinf ``PlacementStrategy`` ``isolate_gpu`` becomes the strategy's
+    ``isolate_accelerator`` (``None`` keeps RLinf's default, True). phalanx's own
+    placements fix isolation when built (``PackedPlacement(..., isolate_gpu=...)``); a
+    launch value that disagrees with theirs is an error rather than silently dropped.
+    """
+    if isolate_gpu is not None and not isinstance(isolate_gpu, bool):
+        raise TypeError(f"isolate_gpu must be a bool or None, got {isolate_gpu!r}")
+    if isinstance(placement, PlacementStrategy):
+        if isolate_gpu is None:
+            return placement.slots(cluster)
+        return placement.slots(cluster, isolate_accelerator=isolate_gpu)
+    own = getattr(placement, "isolate_gpu", None)
+    if isolate_gpu is not None and own != isolate_gpu:
+        where = (
+            f"set it on the placement ({type(placement).__name__}(..., isolate_gpu=...))"
+            if own is not None
+            else f"{type(placement).__name__} places CPU workers and isolates no GPUs"
+        )
+        raise ValueError(
+            f"isolate_gpu={isolate_gpu} applies to RLinf placement strategies; {where}"
+        )
+    return placement.slots(cluster)
+
+
+def check_sharding(sharding: Any, world_size: int) -> None:
+    """A group's ``NamedSharding`` must hold exactly the ranks ``0..world_size-1``."""
+    if sharding is None:
+        return
+    ranks = sorted(int(r) for r in sharding.layout.ravel())
+    if ranks != list(range(world_size)):
+        missing = sorted(set(range(world_size)) - set(ranks))
+        extra = sorted(set(ranks) - set(range(world_size)))
+        raise ValueError(
+            f"sharding_annotations must cover exactly ranks 0..{world_size - 1} of the "
+            f"group's {world_size} workers; its layout holds {len(ranks)} rank(s)"
+            + (f", missing {missing}" if missing else "")
+            + (f", outside the group {extra}" if extra else "")
+        )
 
 
 def pin_to_nodes(slots: list[WorkerSlot]) -> None:
