@@ -100,7 +100,7 @@ def get_group(
         group = _groups.get(cache_key)
         if group is not None:
             return group
-        group = _create(ep, names, backend, tag, timeout_s or CONFIG.connect_timeout_s)
+        group = _create(ep, names, backend, tag, timeout_s or CONFIG.rendezvous_timeout_s)
         _groups[cache_key] = group
         return group
 
@@ -129,7 +129,7 @@ def _create(
             raw = internal_kv._internal_kv_get(kv_key, namespace=KV_NAMESPACE)
             if raw is not None:
                 ip, port, incarnation, nonce = pickle.loads(raw)
-                if ep._incarnation_ok(names[0], _Inc(incarnation)):
+                if ep.is_current(names[0], incarnation):
                     break
             now = time.monotonic()
             if now > next_check:
@@ -154,8 +154,3 @@ def _create(
     group = CollectiveGroup(names, rank, backend, pg)
     group._store = store  # keep the store alive as long as the group
     return group
-
-
-@dataclass
-class _Inc:
-    incarnation: str

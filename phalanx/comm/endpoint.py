@@ -889,10 +889,6 @@ class Endpoint:
             return False
         return actor._actor_id.hex() == cur.actor_id
 
-    def _incarnation_ok(self, peer: str, info: Any) -> bool:
-        """``is_current`` for an object with an ``incarnation`` (kept for ``collective.py``)."""
-        return self.is_current(peer, info.incarnation)
-
     def _send_message(self, conn: _OutConn, msg: Outgoing) -> None:
         with conn.lock:
             if conn.sock is not None and _closed_by_peer(conn.sock, conn.poller):

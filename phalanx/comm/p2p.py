@@ -16,7 +16,6 @@ delivers ``(object, p)`` to the receiver's ``recv``, as RLinf does.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
@@ -245,15 +244,9 @@ def _share_on_node(msg: Outgoing, peers: list[str]) -> dict[str, str]:
         path, size, offsets = shm.write_segment([blob_bytes(msg.blobs[i]) for i in index], "bcast")
     except OSError:
         return {}  # /dev/shm full: each send falls back to its own transport
-    names: dict[str, str] = {}
     try:
-        for j, peer in enumerate(peers):
-            name = f"{path}.{j}"
-            os.link(path, name)
-            names[peer] = name
+        names = dict(zip(peers, shm.link_segment(path, len(peers))))
     except OSError:
-        for name in names.values():
-            shm.unlink(name)
         return {}
     finally:
         shm.unlink(path)

@@ -266,6 +266,23 @@ def open_segment(path: str, size: int, keep: bool = False) -> torch.Tensor:
     return seg
 
 
+def link_segment(path: str, count: int) -> list[str]:
+    """``count`` extra names (hard links) of one segment, one per reader: each reader unlinks
+    its own name when it maps it, so the memory is freed once every reader let go. On a
+    failure the links made so far are removed and the error is raised."""
+    names: list[str] = []
+    try:
+        for j in range(count):
+            name = f"{path}.{j}"
+            os.link(path, name)
+            names.append(name)
+    except OSError:
+        for name in names:
+            unlink(name)
+        raise
+    return names
+
+
 def unlink(path: str) -> None:
     """Remove a segment's name (the memory lives on while mapped)."""
     try:

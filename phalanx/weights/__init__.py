@@ -27,7 +27,7 @@ _LAZY = {
     "check_finite": ".sender",
     "apply_weights": ".receiver",
     "validate": ".receiver",
-    "ReadWriteLock": ".lock",
+    "ReadWriteLock": "phalanx.worker.call_lock",
     "Layout": ".layout",
     "TensorSpec": ".layout",
     "gather": ".layout",
