@@ -24,11 +24,13 @@ the machinery demo. For a pretrained model the reference policy is the model its
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Literal
 
@@ -291,18 +293,24 @@ def answer_probability(policy, tokenizer, pairs) -> float:
     return float(torch.exp((logprobs * data["token_mask"]).sum(1)).mean())
 
 
+def _retry_once_after_death(call: Callable[[], Any], timeout: float) -> list[Any]:
+    """``call().wait(timeout)``, started once more if a worker died under it: the group
+    restarts (and refits) a dead worker before the second call reaches it."""
+    from phalanx._base.errors import WorkerDiedError
+
+    try:
+        return call().wait(timeout=timeout)
+    except WorkerDiedError:
+        return call().wait(timeout=timeout)
+
+
 def _generate(gen_group, data, timeout: float = 300.0, greedy: bool = False):
     """Split a prompt batch over the generation workers and put the outputs back in order."""
-    from phalanx._base.errors import WorkerDiedError
     from phalanx.data import BatchedDataDict
 
     shards = data.shard_by_batch_size(gen_group.world_size, allow_uneven_shards=True)
     calls = [(r, (s,), {"greedy": greedy}) for r, s in enumerate(shards)]
-    try:
-        outs = gen_group.call_ranks("generate", calls).wait(timeout=timeout)
-    except WorkerDiedError:
-        # A worker died mid-call: its group restarts and refits it before this retry.
-        outs = gen_group.call_ranks("generate", calls).wait(timeout=timeout)
+    outs = _retry_once_after_death(lambda: gen_group.call_ranks("generate", calls), timeout)
     return BatchedDataDict.from_batches(outs, pad_value_dict={"output_ids": 0})
 
 
@@ -355,7 +363,10 @@ class _PhaseMemory:
         out = []
         for g in self.groups.values():
             calls = [(r, (), {}) for r in range(g.world_size)]
-            out.extend(g.apply(fn, calls, label=fn.__name__.strip("_")).wait(timeout=60))
+            label = fn.__name__.strip("_")
+            out.extend(
+                _retry_once_after_death(functools.partial(g.apply, fn, calls, label=label), 60)
+            )
         return out
 
     def reset(self) -> None:

@@ -43,6 +43,7 @@ from phalanx.envs.runner_health import AsyncRequest, RunnerHealth
 from phalanx.group.fault import RestartPolicy, WorkerHealth
 from phalanx.group.futures import GroupHandle
 from phalanx.group.group import WorkerGroup
+from phalanx.group.results import unwrap_error
 from phalanx.resources.cluster import Cluster
 from phalanx.resources.placement import NodePlacement
 
@@ -737,9 +738,7 @@ class EnvRunnerGroup:
                 try:
                     values.append((q.rank, ray.get(ref)))
                 except (RayTaskError, RayActorError) as e:
-                    err = runner_calls.runner_error(
-                        self._group.name, "foreach_env_runner_async", q.rank, e
-                    )
+                    err = unwrap_error(self._group.name, "foreach_env_runner_async", q.rank, e)
                     errors.append((q.rank, err))
                     self._runner_failed(q.rank, err, q.actor)
         if mark_healthy and values:

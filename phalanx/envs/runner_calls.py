@@ -17,9 +17,10 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from phalanx._base.errors import WorkerDiedError, WorkerError
+from phalanx._base.errors import WorkerDiedError
 from phalanx.group.fault import WorkerHealth
 from phalanx.group.group import WorkerGroup
+from phalanx.group.results import unwrap_error
 
 
 @dataclass
@@ -49,30 +50,6 @@ def method_name(func: Any) -> str:
     if isinstance(func, list):
         return "foreach_env_runner"
     return getattr(func, "__name__", "foreach_env_runner")
-
-
-def runner_error(group: str, method: str, rank: int, err: BaseException) -> BaseException:
-    """Ray's error of a runner call as a phalanx error naming group, rank and method."""
-    if isinstance(err, RayTaskError):
-        cause = getattr(err, "cause", None)
-        if isinstance(cause, WorkerError):
-            return cause
-        if not isinstance(cause, RayActorError):
-            return WorkerError(
-                group,
-                rank,
-                method,
-                str(err),
-                type(cause).__name__ if cause is not None else "RayTaskError",
-                str(cause),
-            )
-        err = cause
-    if isinstance(err, RayActorError):
-        lines = str(err).strip().splitlines()
-        return WorkerDiedError(
-            group, rank, method, "", type(err).__name__, lines[0] if lines else ""
-        )
-    return err
 
 
 def start(
@@ -133,7 +110,7 @@ def collect(
             try:
                 out.values.append((rank, ray.get(ref)))
             except (RayTaskError, RayActorError) as e:
-                out.errors.append((rank, runner_error(group.name, method, rank, e)))
+                out.errors.append((rank, unwrap_error(group.name, method, rank, e)))
                 out.actors[rank] = actor
     out.values.sort(key=lambda x: x[0])
     return out
