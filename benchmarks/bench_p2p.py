@@ -221,7 +221,7 @@ class _Tree:
 
     def __init__(self, label: str, root: Path, rounds: int):
         self.label = label
-        self.log = tempfile.NamedTemporaryFile(
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in close()
             "w+", prefix="px_bench_child_", suffix=".log", delete=False
         )
         env = {**os.environ, "PYTHONPATH": str(root)}
