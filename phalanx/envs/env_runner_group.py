@@ -40,7 +40,7 @@ from phalanx.envs.env_runner import EnvCreator, EnvRunner, check_env_id, make_en
 from phalanx.envs.normalize import RunningMeanStd
 from phalanx.envs.runner_calls import RunnerCall
 from phalanx.envs.runner_health import AsyncRequest, RunnerHealth
-from phalanx.group.fault import RestartPolicy, WorkerHealth
+from phalanx.group.fault import STARTUP_RESTART, RestartPolicy, WorkerHealth
 from phalanx.group.futures import GroupHandle
 from phalanx.group.group import WorkerGroup
 from phalanx.group.results import unwrap_error
@@ -247,6 +247,12 @@ class EnvRunnerGroup:
             self._remove_hook()
         self._group = group
         self._health.reset()
+        # Runners replaced while the group started are in service from its first call:
+        # the launch waited for them as a probe would, so each counts now.
+        with self._health.lock:
+            self._health.num_restarts += sum(
+                1 for e in group.health_events() if e.reason == STARTUP_RESTART
+            )
         self._remove_hook = group.add_restart_hook(self._on_restarted)
 
     def _on_restarted(self, ranks: list[int]) -> None:
@@ -258,6 +264,8 @@ class EnvRunnerGroup:
 
     def _validate_remote_spaces(self) -> None:
         spaces = self._foreach_remote(_env_spaces, timeout_seconds=self.config.sample_timeout_s)
+        if not spaces:  # every runner died after starting: nothing to compare
+            return
         ref = (
             spaces[0]
             if self._local is None
@@ -359,7 +367,11 @@ class EnvRunnerGroup:
         """How many times a remote runner came back into service (RLlib's count).
 
         A runner counts when a probe (or a ``mark_healthy`` call) brings it back after a
-        failure, whether its process was replaced or it only answered again.
+        failure, whether its process was replaced or it only answered again. A runner
+        whose process died in ``__init__`` while the group started, and was started again
+        by the restart policy, counts once per restart as soon as the group exists: it is
+        in service from the first call on, so no later probe would see it come back
+        (RLlib's "0 until a probe" holds for every failure after start-up).
         """
         return self._health.num_restarts
 
@@ -922,6 +934,9 @@ class EnvRunnerGroup:
         if self._local is not None:
             return self._local.get_spaces()
         ids = self.healthy_worker_ids()
+        if not ids and self.config.restart_failed_env_runners:
+            # every runner is out with restarts under way (e.g. killed while starting)
+            ids = [r + 1 for r in self._wait_for_any(self._restart_wait_s())]
         if not ids:
             raise RuntimeError("get_spaces: no local runner and no healthy remote runner")
         return self._first_answer("get_spaces", ids)
@@ -976,8 +991,10 @@ class EnvRunnerGroup:
         result = None
         if self._group is not None:
             if self._sender is None:
+                # "auto": runners on this node view the sender's shared buffer (they set
+                # read_only_weights), runners on other nodes get the object store.
                 self._sender = WeightSender(
-                    self._group, transport="object_store", timeout_s=self.config.sample_timeout_s
+                    self._group, transport="auto", timeout_s=self.config.sample_timeout_s
                 )
             if self._sync_pending:
                 self._sync_pending = False
@@ -1147,11 +1164,10 @@ class EnvRunnerGroup:
         """
         if self._group is None:
             return None
-        timeout = self.config.env_runner_health_probe_timeout_s
-        self._probe(timeout, wait=False)
+        self._probe(self.config.env_runner_health_probe_timeout_s, wait=False)
         ranks = self._in_service()
         if not ranks:
-            ranks = self._wait_for_any(timeout + RESTART_WAIT_S)
+            ranks = self._wait_for_any(self._restart_wait_s())
         if not ranks:
             health = self._group.health()
             raise WorkerDiedError(
@@ -1171,6 +1187,10 @@ class EnvRunnerGroup:
             for ref, actor in zip(refs, actors):
                 self._sample_actors[ref] = actor
         return GroupHandle(self._group, "sample", called, refs)
+
+    def _restart_wait_s(self) -> float:
+        """How long to wait for a runner to come back when every one is out."""
+        return self.config.env_runner_health_probe_timeout_s + RESTART_WAIT_S
 
     def _wait_for_any(self, timeout: float) -> list[int]:
         """Every runner is out: wait until one is back in service (probing as restarts

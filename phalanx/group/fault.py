@@ -46,6 +46,8 @@ from phalanx._base.errors import WorkerDiedError
 logger = logging.getLogger(__name__)
 
 WATCH_PERIOD_S = 60.0  # a watch call returns after this long and is sent again
+# The reason of the health event each start-up restart leaves (one event per restart).
+STARTUP_RESTART = "died during start-up; started again"
 
 
 class WorkerHealth(str, enum.Enum):
@@ -206,14 +208,15 @@ class FaultState:
                 self._attempts[rank].extend([now] * n)
                 self._attempts_total += n
                 self._recoveries += n
-                self._events.append(
+                self._events.extend(
                     HealthEvent(
                         rank,
                         WorkerHealth.RESTARTING,
                         WorkerHealth.HEALTHY,
-                        f"died during start-up; started again ({n}x)",
+                        STARTUP_RESTART,
                         time.time(),
                     )
+                    for _ in range(n)
                 )
             self._closed = False
 
@@ -622,4 +625,11 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
-__all__ = ["FaultState", "HealthEvent", "Members", "RestartPolicy", "WorkerHealth"]
+__all__ = [
+    "STARTUP_RESTART",
+    "FaultState",
+    "HealthEvent",
+    "Members",
+    "RestartPolicy",
+    "WorkerHealth",
+]

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -60,3 +61,27 @@ class FaultyCartPole(gym.Wrapper):
 def make_faulty_cartpole(ctx: Any) -> gym.Env:
     """The ``env_creator`` of :class:`FaultyCartPole`."""
     return FaultyCartPole(ctx)
+
+
+def make_cartpole_dying_in_init(ctx: Any) -> gym.Env:
+    """CartPole whose remote runner's process is killed while it is being built.
+
+    ``env_config``: ``driver_pid`` (the test process: the driver builds envs too and never
+    dies), ``deaths`` (``{worker_index: n}``: the first ``n`` incarnations of that runner
+    die in ``__init__``), ``marks`` (a folder: one file per incarnation started, so the
+    schedule survives the restarts), optional ``gates`` (``{worker_index: [gate file per
+    incarnation]}``: an incarnation waits up to 120 s for its gate file before going on).
+    """
+    wi = getattr(ctx, "worker_index", 0)
+    if os.getpid() != ctx["driver_pid"] and getattr(ctx, "vector_index", 0) == 0:
+        marks = Path(ctx["marks"])
+        n = len(list(marks.glob(f"init_{wi}_*"))) + 1
+        (marks / f"init_{wi}_{n}").write_text(str(os.getpid()))
+        gates = ctx.get("gates", {}).get(wi, [])
+        if n <= len(gates):
+            deadline = time.monotonic() + 120
+            while not Path(gates[n - 1]).exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        if n <= ctx.get("deaths", {}).get(wi, 0):
+            os.kill(os.getpid(), signal.SIGKILL)
+    return gym.make("CartPole-v1")
