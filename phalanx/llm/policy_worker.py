@@ -235,6 +235,7 @@ class DTensorPolicyWorker(Worker):
         self._refit_segment: Any = None
         self._refit_layout: tuple[Any, Any] | None = None
         self._one_node: bool | None = None
+        self._refit_maps: dict[str, Any] = {}  # name -> mapped buffer (write_weights_to_shm)
         self._profiler: Any = None
         self._peak_rss = 0
         self.model_update_group: Any = None
@@ -783,20 +784,65 @@ class DTensorPolicyWorker(Worker):
         if self.device.type == "cuda" or not self._policy_on_one_node():
             info, _ = self.prepare_weights_for_ipc()
             return self.get_weights_ipc_handles([k for k, _ in info]) if self.rank == 0 else None
-        from phalanx.llm.shard_pack import stream_layout, write_shards
+        from phalanx.llm.shard_pack import write_shards
 
-        self._reshard()
-        state = self.model.state_dict()
-        key = tuple((k, tuple(v.shape), v.dtype) for k, v in state.items())
-        if self._refit_layout is None or self._refit_layout[0] != key:
-            self._refit_layout = (key, stream_layout(state, self.dtype))
-        layout = self._refit_layout[1]
+        state, layout = self._stream_state()
         segment = self._shared_segment(layout.total_bytes)
         write_shards(segment.tensor, layout, state, self.rank == 0)
         dist.barrier()  # rank 0 returns once every rank has written: receivers may read
         if self.rank != 0:
             return None
         return {self.report_device_id(): {"kind": "shm", "layout": layout, "name": segment.name}}
+
+    def _stream_state(self) -> tuple[dict[str, torch.Tensor], Any]:
+        """The (resharded) state dict and its full-tensor stream layout, cached by shapes."""
+        from phalanx.llm.shard_pack import stream_layout
+
+        self._reshard()
+        state = self.model.state_dict()
+        key = tuple((k, tuple(v.shape), v.dtype) for k, v in state.items())
+        if self._refit_layout is None or self._refit_layout[0] != key:
+            self._refit_layout = (key, stream_layout(state, self.dtype))
+        return state, self._refit_layout[1]
+
+    def shm_refit_layout(self) -> Any:
+        """The stream layout for ``write_weights_to_shm``, or None where the ranks cannot
+        write one same-node buffer (weights on GPU, or ranks on several nodes).
+
+        Every rank must call it (the first call asks the ranks for their hosts).
+        """
+        if self.device.type == "cuda" or not self._policy_on_one_node():
+            return None
+        return self._stream_state()[1]
+
+    def write_weights_to_shm(self, path: str, live: Iterable[str] = ()) -> Any:
+        """Every rank copies its own rows of every parameter into the shared buffer ``path``
+        (a same-node segment another process made, e.g. a ``WeightSender``'s
+        ``reserve_shared_buffer``): no gather, no collective beyond a final barrier.
+
+        Mappings are kept for the next call; those of buffers neither ``path`` nor in
+        ``live`` (retired by their owner) are dropped. Every rank must call it; rank 0
+        returns the stream layout once every rank has written, the others None.
+        """
+        from phalanx.llm.shard_pack import write_shards
+        from phalanx.weights import ShmSegment
+
+        state, layout = self._stream_state()
+        keep = {os.path.basename(p) for p in (path, *live)}
+        maps = {k: v for k, v in self._refit_maps.items() if k in keep}
+        name = os.path.basename(path)
+        seg = maps.get(name)
+        if seg is None:
+            seg = maps[name] = ShmSegment(0, name=path, create=False)
+        self._refit_maps = maps
+        if seg.size < layout.total_bytes:
+            raise ValueError(
+                f"write_weights_to_shm: buffer {path!r} holds {seg.size} bytes, the weights "
+                f"need {layout.total_bytes}"
+            )
+        write_shards(seg.tensor, layout, state, self.rank == 0)
+        dist.barrier()  # rank 0 returns once every rank has written: receivers may read
+        return layout if self.rank == 0 else None
 
     def _policy_on_one_node(self) -> bool:
         if self._one_node is None:
@@ -1140,6 +1186,7 @@ class DTensorPolicyWorker(Worker):
             if seg is not None and self.rank == 0:
                 seg.unlink()
         self._shm_segment = self._refit_segment = None
+        self._refit_maps = {}
         if dist.is_initialized():
             dist.destroy_process_group()
         return True

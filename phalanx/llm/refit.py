@@ -6,11 +6,21 @@ generators receive through the weight-sync layer's own transports, under their n
 What differs is who places the bytes:
 
 - ``"shm"`` / ``"cuda_ipc"`` (alias ``"ipc"``: the one of the two that fits the policy's
-  device): the policy's own ranks write the weights. On CPU every policy rank copies its
-  rows into one same-node shared-memory segment
-  (``DTensorPolicyWorker.pack_weights_for_ipc``); on GPU rank 0 packs the gathered
-  weights into a CUDA buffer. The sender then has the generators read it
-  (``WeightSender.send_prepared``). Same node only.
+  device): the policy's own ranks write the weights. On CPU, with the policy on the
+  driver's node, every policy rank copies its own rows (no gather) into the next buffer
+  of the sender's versioned ring (``WeightSender.reserve_shared_buffer``,
+  ``DTensorPolicyWorker.write_weights_to_shm``); ``read_only_weights`` generators
+  (``HFGenerationWorker`` on CPU) then take that buffer as their parameters, switched
+  under their weights lock between calls (route ``"shm_view"``: no copy on their side),
+  and other generators copy from it (route ``"shm"``). A generator inside a call keeps
+  the version it started with; a buffer some generator still views, or that a
+  generator which did not answer may read later, is never rewritten (the ring retires
+  it). Elsewhere (policy on another node or spread over several) every rank writes
+  into one segment of the policy's own (``pack_weights_for_ipc``), which generators
+  copy from; on GPU rank 0 packs the gathered weights into a CUDA buffer. Either way
+  the sender has the generators apply it (``WeightSender.send_prepared``), and
+  ``refit()`` returns its ``SyncResult``, whose ``routes`` say which path each generator
+  got. Same node only.
 - ``"collective"``: policy rank 0 and the generation workers form one weights process
   group (gloo on CPU, NCCL on GPU; the generators join through the weight layer's
   receiver) and rank 0 broadcasts the weights in buckets while the generators receive
@@ -27,7 +37,8 @@ What differs is who places the bytes:
 A generation worker that dies is restarted by its group's fault-tolerance policy
 (``launch(..., restart_policy=px.RestartPolicy())``), which refits it before any call
 reaches it through the group's restart hooks: the sender re-sends its last version
-(``"shm"``/``"cuda_ipc"``: the policy keeps the segment until the next refit), and for
+(``"shm"``/``"cuda_ipc"``: the ring keeps the newest version's buffer, the policy its
+own segment, until the next refit), and for
 ``"collective"``, whose broadcast is not kept, the weights are copied from a healthy peer
 generation worker and the group is rebuilt at the next refit. The policy is not called,
 so a restart never interleaves with the policy's own collectives.
@@ -38,11 +49,14 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import ray
+
 from phalanx.group.group import WorkerGroup
 from phalanx.llm.policy import Policy
 from phalanx.resources.cluster import find_free_port
 from phalanx.weights import receiver as _recv
-from phalanx.weights.sender import WeightSender, ping
+from phalanx.weights.layout import Layout
+from phalanx.weights.sender import SyncResult, WeightSender, ping
 
 TRANSPORTS = ("ipc", "collective", "object_store", "shm", "auto")  # usable on CPU
 ALL_TRANSPORTS = (*TRANSPORTS, "cuda_ipc")  # "ipc" is an alias: "shm" on CPU, "cuda_ipc" on GPU
@@ -77,6 +91,8 @@ class Refitter:
         sender_transport = transport if transport in ("object_store", "shm", "auto") else "auto"
         self.sender = WeightSender(generation, transport=sender_transport, timeout_s=timeout_s)
         self.refits = 0
+        self.last_result: SyncResult | None = None
+        self._ring_layout: Layout | None | bool = False  # False: not asked yet
         self._remove_hook = None
         if transport == "collective":  # the sender restores the others itself
             self._remove_hook = generation.add_restart_hook(self._restore)
@@ -150,20 +166,14 @@ class Refitter:
         )
 
     # ------------------------------------------------------------------ refit
-    def refit(self) -> None:
-        """Copy the policy's current weights into every generation worker."""
-        pg, t = self.policy.worker_group, self.timeout_s
+    def refit(self) -> SyncResult | None:
+        """Bring every generation worker to the policy's current weights.
+
+        Returns the sender's ``SyncResult`` (``routes``: the path each generator got), or
+        None for ``"collective"``, which the policy broadcasts itself.
+        """
         if self.transport in ("ipc", "shm", "cuda_ipc"):
-            handles = pg.call("pack_weights_for_ipc").wait(timeout=t)[0]
-            (handle,) = handles.values()  # one device id: the policy's node or GPU
-            kind = handle["kind"]
-            if self.transport != "ipc" and kind != self.transport:
-                raise ValueError(
-                    f"refit transport {self.transport!r}: the policy packs for {kind!r} "
-                    "(its device); use 'ipc' to take whichever fits"
-                )
-            payload = {"path": handle["name"]} if kind == "shm" else handle
-            result = self.sender.send_prepared(kind, handle["layout"], payload)
+            result = self._refit_shared()
         elif self.transport == "collective":
             self._refit_collective()
             result = None
@@ -172,6 +182,44 @@ class Refitter:
         if result is not None and not result.ok:
             raise RuntimeError(f"refit through {self.transport} failed: {result}")
         self.refits += 1
+        self.last_result = result
+        return result
+
+    def _shared_ring_layout(self) -> Layout | None:
+        """The policy's stream layout when its ranks can write the sender's ring (CPU,
+        one node, the driver's node), else None; asked once."""
+        if self._ring_layout is False:
+            pg = self.policy.worker_group
+            layout = pg.call("shm_refit_layout").wait(timeout=self.timeout_s)[0]
+            here = ray.get_runtime_context().get_node_id()
+            same_node = pg.worker_metadata[0].get("ray_node_id") == here
+            self._ring_layout = layout if same_node else None
+        return self._ring_layout  # type: ignore[return-value]
+
+    def _refit_shared(self) -> SyncResult:
+        """Refit through memory the policy's ranks write (shared memory, or CUDA IPC)."""
+        pg, t = self.policy.worker_group, self.timeout_s
+        layout = self._shared_ring_layout()
+        if layout is not None:
+            if self.transport == "cuda_ipc":
+                raise ValueError(
+                    "refit transport 'cuda_ipc': the policy packs for 'shm' (its device); "
+                    "use 'ipc' to take whichever fits"
+                )
+            path = self.sender.reserve_shared_buffer(layout.total_bytes)
+            live = self.sender.shared_buffers
+            written = pg.call("write_weights_to_shm", path, live).wait(timeout=t)[0]
+            return self.sender.send_prepared("shm", written, {"path": path})
+        handles = pg.call("pack_weights_for_ipc").wait(timeout=t)[0]
+        (handle,) = handles.values()  # one device id: the policy's node or GPU
+        kind = handle["kind"]
+        if self.transport != "ipc" and kind != self.transport:
+            raise ValueError(
+                f"refit transport {self.transport!r}: the policy packs for {kind!r} "
+                "(its device); use 'ipc' to take whichever fits"
+            )
+        payload = {"path": handle["name"]} if kind == "shm" else handle
+        return self.sender.send_prepared(kind, handle["layout"], payload)
 
     def _restore(self, ranks: list[int]) -> None:
         """Refit restarted generation ranks after a collective refit (run by the fault

@@ -281,8 +281,11 @@ class WeightSender:
 
         For refits, where the trainer's own ranks write the weights: ``transport`` is the
         receiver half that reads them, ``payload`` what it reads: ``"shm"``:
-        ``{"path": segment}`` (a segment the writer keeps until its next version; the
-        receivers copy from it), ``"cuda_ipc"``: a ``comm.cuda_ipc`` handle, or
+        ``{"path": segment}``, either a buffer of this sender's ring that the writers
+        filled (``reserve_shared_buffer``: ``read_only_weights`` receivers then take it as
+        their parameters, route ``"shm_view"``, and it is rewritten only once no receiver
+        holds it) or a segment the writer keeps until its next version (the receivers copy
+        from it), ``"cuda_ipc"``: a ``comm.cuda_ipc`` handle, or
         ``"collective"``: ``{"key", "bucket_bytes"}`` of a weights process group the
         receivers joined (``receiver.collective_join_op``), whose rank 0 broadcasts the
         stream. ``wait=False`` returns at once (``wait_async()`` completes it), so the
@@ -297,6 +300,8 @@ class WeightSender:
             raise ValueError(
                 f"transport must be 'shm', 'cuda_ipc' or 'collective', got {transport!r}"
             )
+        if not isinstance(payload, Mapping):
+            raise TypeError(f"payload must be a dict, got {type(payload).__name__}")
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a weights Layout, got {type(layout).__name__}")
         if strict is not None and not isinstance(strict, bool):
@@ -306,10 +311,18 @@ class WeightSender:
         strict = self.strict if strict is None else strict
         ranks = self._ranks(worker_ids)
         self._version += 1
+        ring_path, kept = None, None
         if transport == "shm":
-            payload = {**payload, "ring": False}
+            if not isinstance(payload.get("path"), str):
+                raise ValueError("send_prepared('shm'): payload needs the segment's 'path'")
+            kept = self._ring.commit(payload["path"], self._version)
+            if kept is not None:  # one of our buffers: read-only receivers view it
+                ring_path = kept.path
+                payload = {"path": ring_path, "ring": True, "retired": self._ring.take_retired()}
+            else:
+                payload = {**payload, "ring": False}
         p = _Pending(self._version, ranks, transport, {}, layout, [], time.perf_counter(), {})
-        p.strict, p.prepared = strict, True
+        p.strict, p.prepared, p.ring_path = strict, True, ring_path
         p.routes = dict.fromkeys(ranks, transport)
         if beside_calls:
             for r in ranks:
@@ -320,10 +333,27 @@ class WeightSender:
                 _recv.apply_op, [(r, args, {}) for r in ranks], label="apply_weights"
             )
             p.refs.update(zip(handle.ranks, handle.refs))
-        replay = None if transport == "collective" else (transport, layout, payload)
+        replay = None if transport == "collective" else (transport, layout, payload, kept)
         self._prepared = (p.version, replay, strict)
         self._pending = p
         return self.wait_async() if wait else None
+
+    def reserve_shared_buffer(self, nbytes: int) -> str:
+        """The path of a same-node shared buffer of at least ``nbytes`` for other processes
+        to write the next version into (e.g. a trainer's ranks, each its own rows).
+
+        The buffer comes from the sender's ring: no receiver views it, and it is not the
+        newest version's (kept to restore restarted workers). Once it is written, pass
+        ``{"path": path}`` to ``send_prepared("shm", layout, ...)``. The writers must map
+        it on this node, and drop their mappings of buffers no longer in
+        ``shared_buffers`` (retired ones), which would otherwise keep their memory alive.
+        A reservation never sent is released by the next one.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
+        if self._pending is not None:
+            raise RuntimeError("reserve_shared_buffer(): a send is pending; call wait_async()")
+        return self._ring.reserve(nbytes)
 
     def close(self) -> None:
         """Release the shared buffers, the process groups, the last snapshot and the
@@ -710,13 +740,21 @@ class WeightSender:
         version, replay, strict = self._prepared
         if replay is None:
             return  # a broadcast is not kept: the caller restores (e.g. llm.refit)
-        transport, layout, payload = replay
+        transport, layout, payload, kept = replay
         ranks = self._ranks(ranks)
+        if kept is not None and not self._ring.owns(kept.path):
+            # The ring retired that buffer (a receiver did not answer): send the bytes
+            # the sender still maps through the object store instead.
+            transport = "object_store"
+            payload = self._put(layout, list(views(kept.tensor, layout).values()))
         refs = {
             r: self._apply_remote(r, transport, version, layout, payload, strict) for r in ranks
         }
         result = SyncResult(version, transport=transport, routes=dict.fromkeys(ranks, transport))
-        self._collect(refs, time.perf_counter() + self.timeout_s, result, {})
+        acks = self._collect(refs, time.perf_counter() + self.timeout_s, result, {})
+        if kept is not None and transport == "shm":
+            holds = {r: a.get("holds") for r, a in acks.items()}
+            self._ring.settle(kept.path, holds, [r for r in result.failed])
         if result.failed:
             raise RuntimeError(
                 f"weights restore to ranks {sorted(result.failed)} failed: {result.failed}"
@@ -730,6 +768,7 @@ class WeightSender:
             ring.close()
         _shm_files.reap_orphans()
         state["_pgs"] = {}
+        state["_prepared"] = None
         state["_last_os"] = None
         state["_os_buffer"] = None
         state["_coll_buffers"] = []

@@ -185,3 +185,54 @@ def test_killed_viewer_never_blocks_the_sender(viewers):
         assert len(sender.shared_buffers) <= 3
     finally:
         sender.close()
+
+
+@pytest.mark.timeout(120)
+def test_outside_writers_fill_reserved_ring_buffers(viewers):
+    """``reserve_shared_buffer`` + ``send_prepared``: another mapping writes the version
+    (as a trainer's ranks do) and read-only receivers view it, under the ring's rules."""
+    from phalanx.comm.shm import Segment
+    from phalanx.weights import gather, pack_range
+
+    model = make_model()
+    sender = px.WeightSender(viewers, model)
+    maps: dict[str, Segment] = {}
+
+    def write(path: str, state: dict[str, torch.Tensor]) -> px.weights.Layout:
+        layout, sources = gather(state)
+        seg = maps.setdefault(path, Segment.attach(path))
+        pack_range(seg.tensor[: layout.total_bytes], layout, sources, 0, layout.total_bytes)
+        return layout
+
+    try:
+        with pytest.raises(ValueError, match="nbytes"):
+            sender.reserve_shared_buffer(0)
+        first = _bump(model, 60)
+        nbytes = gather(first)[0].total_bytes
+        held = sender.reserve_shared_buffer(nbytes)
+        result = sender.send_prepared("shm", write(held, first), {"path": held})
+        assert result.applied == [0, 1, 2]
+        assert result.routes == dict.fromkeys([0, 1, 2], "shm_view")
+        assert viewers.shared_files().wait(timeout=30) == [{held}] * 3
+        for state in viewers.state().wait(timeout=30):
+            assert _equal(state, first)
+
+        # Rank 0 keeps viewing the first buffer: it is never handed out again, nor is
+        # the newest version's buffer (kept for restarts).
+        newest, reserved = held, []
+        for step in range(61, 66):
+            last = _bump(model, step)
+            path = sender.reserve_shared_buffer(nbytes)
+            assert path not in (held, newest)
+            assert sender.reserve_shared_buffer(nbytes) == path  # an unsent one is reused
+            result = sender.send_prepared("shm", write(path, last), {"path": path}, [1, 2])
+            assert result.routes == {1: "shm_view", 2: "shm_view"}
+            newest = path
+            reserved.append(path)
+        assert len(set(reserved)) == 2 and len(sender.shared_buffers) == 3
+        assert _equal(viewers.execute_on(0).state().wait(timeout=30)[0], first)
+        for state in viewers.execute_on(1, 2).state().wait(timeout=30):
+            assert _equal(state, last)
+        assert viewers.version().wait(timeout=30) == [1, sender.version, sender.version]
+    finally:
+        sender.close()

@@ -37,10 +37,17 @@ class _Buffer:
     segment: Segment
     version: int = 0
     holders: set[int] = field(default_factory=set)  # ranks whose parameters view it
+    reserved: bool = False  # handed to an outside writer, not yet committed to a version
 
 
 class ShmRing:
-    """The sender's shared buffers (at most ``max_buffers`` kept; more are retired)."""
+    """The sender's shared buffers (at most ``max_buffers`` kept; more are retired).
+
+    The sender fills a buffer itself (``write``), or hands one to writers in other
+    processes on its node (``reserve``, then ``commit`` once they wrote it: e.g. the
+    trainer's ranks, each writing its own rows). Either way a buffer is rewritten only
+    when no receiver holds it.
+    """
 
     def __init__(self, max_buffers: int = 3):
         self.max_buffers = max_buffers
@@ -51,19 +58,54 @@ class ShmRing:
     def paths(self) -> list[str]:
         return [b.segment.path for b in self._bufs]
 
-    def acquire(self, nbytes: int) -> _Buffer:
-        """A buffer of at least ``nbytes`` that no receiver holds (the oldest such one)."""
-        free = [b for b in self._bufs if not b.holders]
+    def acquire(self, nbytes: int, keep_newest: bool = False) -> _Buffer:
+        """A buffer of at least ``nbytes`` that no receiver holds (the oldest such one).
+
+        ``keep_newest``: never the buffer of the newest version (kept to restore
+        restarted receivers from while the next version is being written).
+        """
+        newest = max(self._bufs, key=lambda b: b.version) if self._bufs else None
+        free = [
+            b
+            for b in self._bufs
+            if not b.holders and not b.reserved and not (keep_newest and b is newest)
+        ]
         fits = [b for b in free if b.segment.size >= nbytes]
         if fits:
             return min(fits, key=lambda b: b.version)
         for b in free:  # too small: make room
             self._retire(b)
         while len(self._bufs) >= self.max_buffers:  # all held: retire the oldest
-            self._retire(min(self._bufs, key=lambda b: b.version))
+            spare = [b for b in self._bufs if not b.reserved] or self._bufs
+            self._retire(min(spare, key=lambda b: b.version))
         buf = _Buffer(Segment.create(nbytes, tag="w"))
         self._bufs.append(buf)
         return buf
+
+    def reserve(self, nbytes: int) -> str:
+        """The path of a buffer for writers in other processes (see ``commit``).
+
+        One reservation at a time: a new one releases an earlier one never committed.
+        """
+        for b in self._bufs:
+            b.reserved = False
+        buf = self.acquire(nbytes, keep_newest=True)
+        buf.reserved = True
+        return buf.segment.path
+
+    def commit(self, path: str, version: int) -> Segment | None:
+        """Mark the reserved buffer ``path`` as holding ``version``; its segment, or None
+        when ``path`` is not this ring's reserved buffer."""
+        path = segment_path(path)
+        for b in self._bufs:
+            if b.reserved and b.segment.path == path:
+                b.reserved, b.version = False, version
+                return b.segment
+        return None
+
+    def owns(self, path: str) -> bool:
+        """True while ``path`` is one of the ring's buffers (not retired)."""
+        return segment_path(path) in self.paths
 
     def write(self, layout: Layout, sources: list[torch.Tensor], version: int) -> dict[str, Any]:
         """Pack the stream into a free buffer; the payload receivers get."""
@@ -74,9 +116,10 @@ class ShmRing:
 
     def settle(self, path: str, holds: dict[int, str | None], unanswered: Iterable[int]) -> None:
         """Record what each answering rank holds now; retire ``path`` if some did not answer."""
+        path = segment_path(path)
         for b in self._bufs:
             b.holders.difference_update(holds)
-            b.holders.update(r for r, p in holds.items() if p == b.segment.path)
+            b.holders.update(r for r, p in holds.items() if p and segment_path(p) == b.segment.path)
         if list(unanswered):
             for b in self._bufs:
                 if b.segment.path == path:
