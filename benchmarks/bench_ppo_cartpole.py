@@ -5,13 +5,21 @@ Runs the README command, ``phalanx train ppo --env CartPole-v1 --env-runners 2
 process's start (interpreter, imports, Ray start, runner start-up all included) to the
 iteration whose last-20-episode mean return reached 450. Every seed must reach it.
 
-Goal (issue 18 §2): median over 5 seeds <= 0.3x RLlib 2.60 PPO with 2 env runners. RLlib
-cannot be installed beside phalanx here (its extra dependencies do not fit the pinned
-environment), so its anchor is the figure measured on this 2-core machine: 31-47 s to
-450 (start-up included). Baseline measured in the same run: the same command with
-``--env-runners 0`` (sampling and learning in one process, no Ray), which shows what Ray
-and the remote runners cost.
+Goal (issue 18 §2): median over 5 seeds <= 0.3x RLlib 2.60 PPO with 2 env runners.
 
+``--vs-rllib`` measures that baseline in the same run: for each seed, right after the
+phalanx run, ``benchmarks/rllib_ppo_cartpole.py`` (RLlib's tuned CartPole PPO, 2 env
+runners, the same stop rule: mean return of the last 20 episodes >= 450, time from its
+process start) runs in a separate environment, because ray[rllib] pins a gymnasium that
+phalanx's environment does not have. ``--setup-rllib`` creates that environment
+(``python -m venv --system-site-packages`` plus ``benchmarks/requirements-rllib.txt``) at
+``--rllib-venv``. The last lines are the per-seed times, both medians and the RATIO.
+
+Without ``--vs-rllib`` the baseline is the same command with ``--env-runners 0``
+(sampling and learning in one process, no Ray), which shows what Ray and the remote
+runners cost, and the RLlib figure is the anchor measured earlier on this machine.
+
+    python benchmarks/bench_ppo_cartpole.py --vs-rllib [--setup-rllib] [--seeds 1,2,3,4,5]
     python benchmarks/bench_ppo_cartpole.py [--seeds 1,2,3,4,5] [--baseline-seeds 1,2,3]
 
 Tuning notes (where ``TUNED["CartPole-v1"]`` in phalanx/algorithms/ppo.py comes from):
@@ -37,14 +45,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-RLLIB_ANCHOR_S = (31.0, 47.0)  # RLlib 2.60 PPO, 2 env runners, to 450, measured on this machine
+HERE = Path(__file__).resolve().parent
+RLLIB_ANCHOR_S = (31.0, 47.0)  # RLlib 2.60 PPO, 2 env runners, to 450, measured earlier here
 README_COMMAND = ["train", "ppo", "--env", "CartPole-v1", "--stop-return", "450"]
+RLLIB_DRIVER = HERE / "rllib_ppo_cartpole.py"
+RLLIB_REQUIREMENTS = HERE / "requirements-rllib.txt"
+DEFAULT_RLLIB_VENV = os.environ.get(
+    "PHALANX_RLLIB_VENV", str(Path.home() / ".cache" / "phalanx" / "venv-rllib")
+)
+RLLIB_TIMEOUT_S = 1500  # generous: RLlib's runs take minutes on 2 cores
 
 
 def run(seed: int, env_runners: int, extra: list[str]) -> dict:
@@ -71,6 +89,45 @@ def run(seed: int, env_runners: int, extra: list[str]) -> dict:
     }
 
 
+def rllib_python(venv: str) -> Path:
+    return Path(venv) / "bin" / "python"
+
+
+def setup_rllib(venv: str) -> None:
+    """Create the RLlib environment from requirements-rllib.txt (reusing installed wheels)."""
+    print(f"creating the RLlib environment at {venv}", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", venv], check=True)
+    subprocess.run([str(rllib_python(venv)), "-m", "pip", "install", "-q", "-r",
+                    str(RLLIB_REQUIREMENTS)], check=True)  # fmt: skip
+
+
+def run_rllib(seed: int, venv: str) -> dict:
+    argv = [str(rllib_python(venv)), str(RLLIB_DRIVER), "--seed", str(seed)]
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PYTHONPATH")}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=RLLIB_TIMEOUT_S,
+                              env=env)  # fmt: skip
+        rc, out, err = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, out, err = "timeout", e.stdout or "", e.stderr or ""
+        out, err = (x.decode() if isinstance(x, bytes) else x for x in (out, err))
+    wall = time.perf_counter() - t0
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    summary = json.loads(lines[-1]) if lines else {}
+    if rc != 0 or not summary.get("reached"):
+        print(f"RLlib seed {seed}: exit {rc}", out[-2000:], err[-3000:], sep="\n")
+    return {
+        "seed": seed,
+        "rc": rc,
+        "reached": bool(summary.get("reached")),
+        "t450": summary.get("t450") or float("nan"),
+        "wall": wall,
+        "timesteps": summary.get("timesteps"),
+        "startup": summary.get("startup_s") or float("nan"),
+    }
+
+
 def show(label: str, r: dict) -> None:
     b = r["breakdown"]
     top = ", ".join(
@@ -83,19 +140,51 @@ def show(label: str, r: dict) -> None:
     )
 
 
+def show_rllib(r: dict) -> None:
+    print(
+        f"RLlib 2.60, 2 env runners seed {r['seed']}: reached 450 {r['reached']} at "
+        f"{r['t450']:.1f} s after process start, {r['timesteps']} timesteps, process wall "
+        f"{r['wall']:.1f} s [start-up to the first iteration {r['startup']:.1f} s]",
+        flush=True,
+    )
+
+
+def median_t(rs: list[dict]) -> float:
+    done = [r["t450"] for r in rs if r["reached"]]
+    return statistics.median(done) if done else math.nan
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seeds", default="1,2,3,4,5")
-    p.add_argument("--baseline-seeds", default="1,2,3", help="'' to skip the one-process baseline")
+    p.add_argument("--baseline-seeds", default=None,
+                   help="seeds of the one-process baseline ('' to skip; default 1,2,3, "
+                   "none with --vs-rllib)")  # fmt: skip
     p.add_argument("--async", dest="async_sampling", action="store_true")
+    p.add_argument("--vs-rllib", action="store_true",
+                   help="run RLlib 2.60 PPO after each phalanx run and print the RATIO")  # fmt: skip
+    p.add_argument("--rllib-venv", default=DEFAULT_RLLIB_VENV,
+                   help="the RLlib environment (env var PHALANX_RLLIB_VENV)")  # fmt: skip
+    p.add_argument("--setup-rllib", action="store_true",
+                   help="create --rllib-venv from requirements-rllib.txt first")  # fmt: skip
     args = p.parse_args()
     extra = ["--async"] if args.async_sampling else []
     seeds = [int(s) for s in args.seeds.split(",")]
+    if args.baseline_seeds is None:
+        args.baseline_seeds = "" if args.vs_rllib else "1,2,3"
     base_seeds = [int(s) for s in args.baseline_seeds.split(",") if s]
-    ours, base = [], []
-    for i, seed in enumerate(seeds):  # baseline runs interleaved: load drifts hit both
+    if args.setup_rllib:
+        setup_rllib(args.rllib_venv)
+    if args.vs_rllib and not rllib_python(args.rllib_venv).exists():
+        sys.exit(f"--vs-rllib: no RLlib environment at {args.rllib_venv}; pass --setup-rllib "
+                 "to create it (or --rllib-venv / PHALANX_RLLIB_VENV to point at one)")  # fmt: skip
+    ours, base, rllib = [], [], []
+    for i, seed in enumerate(seeds):  # baselines run interleaved: load drifts hit both
         ours.append(run(seed, 2, extra))
         show("phalanx, 2 env runners", ours[-1])
+        if args.vs_rllib:
+            rllib.append(run_rllib(seed, args.rllib_venv))
+            show_rllib(rllib[-1])
         if i < len(base_seeds):
             base.append(run(base_seeds[i], 0, extra))
             show("baseline, one process", base[-1])
@@ -105,24 +194,42 @@ def main() -> None:
     if not done:
         print(f"no seed reached 450 (failed: {failed})")
         sys.exit(1)
-    med = statistics.median(r["t450"] for r in done)
-    lo, hi = RLLIB_ANCHOR_S
-    print(f"every seed reached 450: {ok}" + (f" (failed: seeds {failed})" if failed else "")
+    med = median_t(ours)
+    print(f"phalanx: every seed reached 450: {ok}" + (f" (failed: seeds {failed})" if failed else "")
           + f"; median time to 450 (start-up included): {med:.1f} s over seeds "
           f"{[r['seed'] for r in done]}; median process wall "
           f"{statistics.median(r['wall'] for r in done):.1f} s")  # fmt: skip
-    print(f"vs RLlib 2.60 anchor {lo:.0f}-{hi:.0f} s: {med / hi:.2f}x-{med / lo:.2f}x "
-          f"(goal <= 0.3x: {'met' if med <= 0.3 * lo else 'met against the slow end only' if med <= 0.3 * hi else 'missed'})")  # fmt: skip
+    if rllib:
+        r_ok = all(r["rc"] == 0 and r["reached"] for r in rllib)
+        r_failed = [r["seed"] for r in rllib if not r["reached"]]
+        rmed = median_t(rllib)
+        print(f"RLlib 2.60: every seed reached 450: {r_ok}"
+              + (f" (failed: seeds {r_failed}; median over the others)" if r_failed else "")
+              + f"; median time to 450 (start-up included): {rmed:.1f} s; median start-up to "
+              f"the first iteration {statistics.median(r['startup'] for r in rllib):.1f} s")  # fmt: skip
+        print("per seed (s):  " + ",  ".join(
+            f"seed {a['seed']}: phalanx {a['t450']:.1f} / RLlib {b['t450']:.1f}"
+            for a, b in zip(ours, rllib)))  # fmt: skip
+        ratio = med / rmed
+        print(f"RATIO phalanx / RLlib 2.60 PPO, median time to mean return 450 with 2 env runners "
+              f"(start-up included): {med:.1f} s / {rmed:.1f} s = {ratio:.3f}x "
+              f"(goal <= 0.3x: {'met' if ratio <= 0.3 and ok else 'missed'}; "
+              f"load average at the end {os.getloadavg()[0]:.1f})")  # fmt: skip
+    else:
+        lo, hi = RLLIB_ANCHOR_S
+        print(f"RATIO vs the RLlib 2.60 anchor {lo:.0f}-{hi:.0f} s (not measured in this run; "
+              f"--vs-rllib measures it): {med / hi:.2f}x-{med / lo:.2f}x (goal <= 0.3x: "
+              f"{'met' if med <= 0.3 * lo else 'met against the slow end only' if med <= 0.3 * hi else 'missed'})")  # fmt: skip
     base = [r for r in base if r["reached"]]
     if base:
-        bmed = statistics.median(r["t450"] for r in base)
+        bmed = median_t(base)
         print(f"baseline, one process without Ray: median {bmed:.1f} s to 450; "
-              f"phalanx / baseline: {med / bmed:.2f}x")  # fmt: skip
+              f"RATIO phalanx / one process: {med / bmed:.2f}x")  # fmt: skip
     keys = sorted({k for r in done for k in r["breakdown"]})
     print("median breakdown over the phalanx runs (s):")
     for k in sorted(keys, key=lambda k: -statistics.median(r["breakdown"].get(k, 0) for r in done)):
         print(f"  {k:<32} {statistics.median(r['breakdown'].get(k, 0.0) for r in done):6.2f}")
-    sys.exit(0 if ok else 1)
+    sys.exit(0 if ok and all(r["reached"] for r in rllib) else 1)
 
 
 if __name__ == "__main__":
