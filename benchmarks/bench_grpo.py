@@ -3,9 +3,12 @@
 Part 1 runs a short GRPO job on the tiny model and prints the time per phase
 (generation, log-probs, training, refit), generated tokens/s, and refit's share of the
 step (RATIO: goal < 5%). Part 2 builds Llama models of growing size, refits a generation
-worker from a 2-rank FSDP2 policy through the shared-memory IPC path, and prints refit
-time as a ratio to the weight-sync floor (one in-process ``copy_`` of the same bytes) and
-against the seed methods' gather-then-pack refit, timed interleaved in the same run.
+worker from a 2-rank FSDP2 policy through the shared-memory IPC path (each policy rank
+writes its own rows into the next buffer of the refit sender's ring; the read-only
+generator's parameters become views of it, route ``shm_view``, printed), and prints
+refit time as a ratio to the weight-sync floor (one in-process ``copy_`` of the same
+bytes) and against the seed methods' gather-then-pack refit (the generator copies),
+timed interleaved in the same run.
 
     python benchmarks/bench_grpo.py [--sizes 10,50,200] [--steps 8] [--repeats 5]
 """
@@ -119,7 +122,8 @@ def _refit_vs_size(sizes_m: list[int], cluster, repeats: int, gather_max_m: int)
             )
             try:
                 refitter = Refitter(policy, gen, "ipc")
-                refitter.refit()  # the first refit creates and maps the segment
+                refitter.refit()  # the first refits create and map the ring's buffers
+                routes = sorted(set(refitter.refit().routes.values()))
                 # The gather-and-pack path holds the full model on every policy rank: on a
                 # 24 GB machine it does not fit beside the rest from about 500M parameters.
                 gather = size <= gather_max_m
@@ -145,7 +149,8 @@ def _refit_vs_size(sizes_m: list[int], cluster, repeats: int, gather_max_m: int)
         s = statistics.median(seed) if seed else float("nan")
         print(
             f"  {n / 1e6:7.1f} M params ({n * 4 / 2**20:7.1f} MiB): refit {r * 1000:8.1f} ms, "
-            f"gather-and-pack {s * 1000:8.1f} ms, copy floor {floor * 1000:7.2f} ms"
+            f"gather-and-pack {s * 1000:8.1f} ms, copy floor {floor * 1000:7.2f} ms "
+            f"(generator route {'/'.join(routes)})"
         )
         print(f"RATIO refit vs copy floor, {n / 1e6:.0f}M params: {r / floor:.2f}x")
         if seed:

@@ -160,22 +160,29 @@ def copy_aliases(targets: dict[str, torch.Tensor], layout: Layout) -> None:
             dst.copy_(targets[canon])
 
 
-def unshare(worker: Any, targets: dict[str, torch.Tensor] | None = None) -> None:
+def unshare(
+    worker: Any,
+    targets: dict[str, torch.Tensor] | None = None,
+    overwritten: frozenset[str] = frozenset(),
+) -> None:
     """Give a receiver whose parameters view a shared buffer private storage again.
 
     Call under the write lock (or from the method that is about to write), before
-    anything writes into the parameters.
+    anything writes into the parameters. Tensors named in ``overwritten`` (about to be
+    written whole) get fresh storage without their old values.
     """
+    import torch
+
     state = receiver_state(worker)
     if state.view is None:
         return
     if targets is None:
         targets = target_tensors(module_of(worker))
     done: set[int] = set()
-    for t in targets.values():
+    for name, t in targets.items():
         if id(t) not in done:
             done.add(id(t))
-            t.data = t.data.clone()
+            t.data = torch.empty_like(t.data) if name in overwritten else t.data.clone()
     state.view = None
 
 
@@ -211,7 +218,8 @@ def apply_weights(
     with ctx:
         if version is not None and version <= state.version:
             return False
-        unshare(obj, targets)
+        carried = frozenset(s.name for s in layout.specs)
+        unshare(obj, targets, carried)
         copy_into(targets, layout, sources)
         _record(obj, version, missing)
     return True

@@ -236,3 +236,31 @@ def test_outside_writers_fill_reserved_ring_buffers(viewers):
         assert viewers.version().wait(timeout=30) == [1, sender.version, sender.version]
     finally:
         sender.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_copied_version_gives_a_viewer_private_storage_first(viewers):
+    """A version that arrives by copy (object store, partial) never writes into the
+    shared buffer a viewer held: the viewer gets its own storage, keeping what the
+    version does not carry."""
+    model = make_model()
+    sender = px.WeightSender(viewers, model)
+    copier = None
+    try:
+        shared = _bump(model, 70)
+        sender.send()
+        copier = px.WeightSender(viewers, transport="object_store", strict=False)
+        (path,) = viewers.execute_on(0).shared_files().wait(timeout=30)[0]
+        part = {"0.weight": torch.full((16, 16), 3.0)}
+        result = copier.send(part, worker_ids=[0])
+        assert result.routes == {0: "object_store"} and result.applied == [0]
+        assert viewers.execute_on(0).shared_files().wait(timeout=30) == [set()]
+        mine = viewers.execute_on(0).state().wait(timeout=30)[0]
+        assert _equal(mine, {**shared, **part})
+        for state in viewers.execute_on(1, 2).state().wait(timeout=30):
+            assert _equal(state, shared)  # the buffer they view is untouched
+        assert viewers.execute_on(1).shared_files().wait(timeout=30) == [{path}]
+    finally:
+        if copier is not None:
+            copier.close()
+        sender.close()
