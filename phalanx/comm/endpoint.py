@@ -948,7 +948,47 @@ class Endpoint:
         for b in bulk:
             pg = conn.pgs[b.transport]
             data = b.data if b.is_tensor else _torch().frombuffer(b.data, dtype=_torch().uint8)
-            pg.send([_flat_u8(data) if b.transport == GLOO else data], 1, 0).wait()
+            work = pg.send([_flat_u8(data) if b.transport == GLOO else data], 1, 0)
+            if b.transport == GLOO:
+                self._wait_bulk(conn, info, work)
+            else:
+                work.wait()
+
+    def _wait_bulk(self, conn: _OutConn, info: PeerInfo, work: Any) -> None:
+        """Wait for a gloo send, failing it if the receiving process dies meanwhile.
+
+        Gloo does not notice a receiver killed mid-transfer (its wait would block for the
+        process group's 30 min timeout), and a timed gloo wait breaks the pair, so the
+        wait runs in a helper thread while this one checks the peer every
+        ``peer_check_interval_s``. On a death the helper thread and the process group are
+        abandoned with the connection (the next send opens new ones).
+        """
+        done = threading.Event()
+        failure: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                work.wait()
+            except BaseException as e:  # noqa: BLE001 - handed to the sending thread
+                failure.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name=f"px-bulk-{conn.peer}", daemon=True).start()
+        while not done.wait(CONFIG.peer_check_interval_s):
+            try:
+                live = self._live_ident(conn.peer, CONFIG.peer_timeout_s)
+                if not _same_process(info.ident, live):
+                    raise PeerDiedError(
+                        conn.peer,
+                        f"peer {conn.peer} died and was restarted during a send to it",
+                    )
+            except PeerDiedError as err:
+                if not done.is_set():
+                    self._incarnation_gone(conn.peer, info.ident, err)
+                    raise
+        if failure:
+            raise failure[0]
 
     def _init_pg(self, conn: _OutConn, backend: str, check: Callable[[], None]) -> None:
         """Create the process group of this direction (this side is rank 0 and hosts the store)."""

@@ -43,6 +43,29 @@ class Node(px.Worker):
     def pid(self):
         return os.getpid()
 
+    def drain(self, group, rank, marker):
+        """Receive messages until killed; the marker says the first one arrived."""
+        self.recv(group, rank)
+        with open(marker, "w") as f:
+            f.write("1")
+        while True:
+            self.recv(group, rank)
+
+    def send_gloo_until_error(self, group, rank, rounds):
+        """Send 64 MB tensors through gloo (shared memory off) until a send fails."""
+        import torch
+
+        from phalanx.comm import configure
+
+        configure(use_shm=False)
+        t = torch.ones(16 << 20)
+        for i in range(rounds):
+            try:
+                self.send(t, group, rank)
+            except Exception as e:  # noqa: BLE001 - returned for the test
+                return type(e).__name__, str(e), i
+        return "sent", "", rounds
+
 
 class BarePeer:
     """A live actor under a phalanx worker's name that never opens an endpoint."""
@@ -174,3 +197,21 @@ def test_connect_waits_a_bounded_time_for_an_endpoint(cluster):
     finally:
         CONFIG.connect_timeout_s = old
         ray.kill(bare, no_restart=True)
+
+
+def test_receiver_killed_mid_gloo_send_fails_the_sender_fast(cluster, tmp_path):
+    s = Node.create_group().launch(cluster, px.NodePlacement(num_workers=1), name="lv_big_s")
+    r = Node.create_group().launch(cluster, px.NodePlacement(num_workers=1), name="lv_big_r")
+    try:
+        marker = tmp_path / "first"
+        r.drain("lv_big_s", 0, str(marker))
+        h = s.send_gloo_until_error("lv_big_r", 0, 1000)
+        _wait_for_file(marker, 90)
+        t0 = time.monotonic()
+        _kill9(r, 0)  # no restart policy: it stays dead
+        kind, message, sent = h.wait(timeout=90)[0]
+        assert kind == "PeerDiedError" and "lv_big_r:0" in message, (kind, message)
+        assert sent >= 1 and time.monotonic() - t0 < 30
+    finally:
+        s.shutdown()
+        r.shutdown(force=True)
