@@ -65,12 +65,15 @@ def _check_generation_config(cfg: Any) -> dict[str, Any]:
 
 
 class HFGenerationWorker(Worker, GenerationInterface):
-    """One generation rank running Hugging Face ``generate`` on a full copy of the model.
+    """One generation rank decoding with a Hugging Face causal LM.
 
     Config: ``model_name``, ``temperature`` (1.0), ``top_p`` (1.0), ``max_new_tokens`` (16),
     ``stop_token_ids`` (default: the tokenizer's eos), ``seed``, ``precision``,
     ``num_threads`` (default: every core of the machine).
-    Its model is ``self.model``, so phalanx's weight senders refit it directly.
+    Its model is ``self.model``, so phalanx's weight senders refit it directly. It is a
+    ``read_only_weights`` receiver: on CPU, on the sender's node, a refit makes its
+    parameters views of the sender's shared buffer (switched between calls), so it keeps
+    no copy of its own; on GPU or another node it copies.
     """
 
     read_only_weights = True  # inference only: same-node sends give it views, not copies

@@ -123,6 +123,8 @@ class WeightSender:
     workers) on the sender's node take the shared buffer itself as their parameters
     (route ``"shm_view"``): a send is then one copy for all of them. The sender keeps a
     few buffers and rewrites one only when no receiver views it (see ``transports/shm.py``).
+    Other processes on the node (a trainer's ranks) can write a version into one of them
+    themselves: ``reserve_shared_buffer``, then ``send_prepared("shm", ...)``.
 
     ``strict`` (default True): weights that lack some of a receiver's parameters are an
     error; False applies them as a partial version. ``allow_nonfinite`` (default False):

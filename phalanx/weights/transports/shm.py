@@ -2,7 +2,9 @@
 
 The sender packs the stream (casting on the way) into one of a few shared buffers
 (``comm.shm.Segment``) that it keeps from send to send, so after the first sends neither
-side pays page faults again. Receivers map each buffer once and keep the mapping; then:
+side pays page faults again. Writers in other processes of the node (a trainer's ranks,
+each writing its own rows) may fill a buffer instead: ``WeightSender.reserve_shared_buffer``
+hands one out and ``send_prepared`` commits it as the next version, under the same rules. Receivers map each buffer once and keep the mapping; then:
 
 - a receiver that trains (the default) copies from the buffer into its parameters;
 - a ``read_only_weights`` receiver points its parameters at the buffer (route
