@@ -233,6 +233,10 @@ class WorkerGroup:
         if env_vars:
             self._env_vars.update(_check_env(env_vars, "env_vars"))
         if timeout_s is not None:
+            if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+                raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
+            if not timeout_s > 0:
+                raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
             self._roster.launch_timeout_s = timeout_s
         if restart_policy is not None:
             self._fault.policy = _check_policy(restart_policy)

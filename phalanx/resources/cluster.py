@@ -78,7 +78,7 @@ class Cluster:
         self._started_ray = False
         if not ray.is_initialized():
             address = address or os.environ.get("RAY_ADDRESS")
-            kwargs = dict(namespace=NAMESPACE, log_to_driver=True, **ray_init_kwargs)
+            kwargs = {"namespace": NAMESPACE, "log_to_driver": True, **ray_init_kwargs}
             if address:
                 ray.init(address=address, **kwargs)
             else:

@@ -17,10 +17,26 @@ and the CPU/GPU resources it reserves. Rank order is deterministic:
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
 from phalanx.resources.cluster import Cluster
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    """``TypeError`` unless ``value`` is an int, ``ValueError`` if it is below ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _check_cpus(num_cpus: object) -> None:
+    if isinstance(num_cpus, bool) or not isinstance(num_cpus, numbers.Real):
+        raise TypeError(f"num_cpus must be a number, got {num_cpus!r}")
+    if num_cpus < 0:
+        raise ValueError(f"num_cpus must be >= 0, got {num_cpus}")
 
 
 @dataclass
@@ -135,12 +151,13 @@ class PackedPlacement(Placement):
         num_cpus: float = 1.0,
         isolate_gpu: bool = True,
     ):
-        if start_device < 0 or end_device < start_device:
+        _check_int("start_device", start_device, 0)
+        _check_int("end_device", end_device, 0)
+        _check_int("num_devices_per_process", num_devices_per_process, 1)
+        _check_int("stride", stride, 1)
+        _check_cpus(num_cpus)
+        if end_device < start_device:
             raise ValueError(f"start_device/end_device: invalid range {start_device}..{end_device}")
-        if num_devices_per_process < 1:
-            raise ValueError(f"num_devices_per_process must be >= 1, got {num_devices_per_process}")
-        if stride < 1:
-            raise ValueError(f"stride must be >= 1, got {stride}")
         count = end_device - start_device + 1
         block = num_devices_per_process * stride
         if count % block:
@@ -213,10 +230,9 @@ class NodePlacement(Placement):
         node_ranks: list[int] | None = None,
         num_cpus: float = 1.0,
     ):
-        if num_workers is not None and (not isinstance(num_workers, int) or num_workers < 1):
-            raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
-        if num_cpus < 0:
-            raise ValueError(f"num_cpus must be >= 0, got {num_cpus}")
+        if num_workers is not None:
+            _check_int("num_workers", num_workers, 1)
+        _check_cpus(num_cpus)
         self.num_workers, self.node_ranks, self.num_cpus = num_workers, node_ranks, num_cpus
 
     def slots(self, cluster: Cluster) -> list[WorkerSlot]:

@@ -49,6 +49,22 @@ def test_flexible_and_node_bad_input():
         px.NodePlacement(num_workers=0)
 
 
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: px.NodePlacement(num_workers="2"), "num_workers"),
+        (lambda: px.NodePlacement(num_workers=True), "num_workers"),
+        (lambda: px.NodePlacement(num_workers=1, num_cpus="1"), "num_cpus"),
+        (lambda: px.PackedPlacement("0", 1), "start_device"),
+        (lambda: px.PackedPlacement(0, 1.0), "end_device"),
+        (lambda: px.PackedPlacement(0, 1, stride=None), "stride"),
+    ],
+)
+def test_placement_wrong_types_raise_type_error(make, match):
+    with pytest.raises(TypeError, match=match):
+        make()
+
+
 def test_gpu_placement_needs_gpus(cluster):
     with pytest.raises(ValueError, match="no GPUs"):
         px.PackedPlacement(0, 1).slots(cluster)
