@@ -6,14 +6,26 @@
    monitor watching every worker) against calls to the same kind of worker actors
    collected without any fault handling (a plain ``Collector``: no health check before
    dispatch, no suspect marking), and against raw Ray. Goal: under 5% over the baseline.
+3. ``--env-runners``: where the time of an env runner's restart goes (PPO's runners:
+   CartPole, restarts on, weights synced): kill -> death seen by the health monitor ->
+   restart started -> new process up -> env built (``__init__`` running: imports done)
+   -> runner healthy with state and weights restored -> back in service at the next
+   probe. Compared with a plain ``ray.remote`` actor of the same host process started
+   on an idle node (``actor start`` baseline), as a ratio. Then the same kills on a Ray
+   whose worker processes preload torch and gymnasium (``_system_config=
+   {"preload_python_modules": ...}``, as ``phalanx train ppo`` starts its Ray): the
+   ratio of the two restart times.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import ray
 from _common import interleaved, report
@@ -135,10 +147,124 @@ def overhead(cluster: px.Cluster) -> None:
     untracked.shutdown()
 
 
+def _timed_cartpole(ctx):
+    """CartPole whose remote runner notes when its env is built (inside ``__init__``)."""
+    import gymnasium as gym
+
+    if getattr(ctx, "remote", False) and getattr(ctx, "vector_index", 0) == 0:
+        out = Path(ctx["stamps"]) / f"{os.getpid()}"
+        if not out.exists():
+            out.write_text(repr(time.time()))
+    return gym.make("CartPole-v1")
+
+
+@ray.remote(num_cpus=0)
+class _Bare:
+    def ready(self) -> int:
+        return os.getpid()
+
+
+def env_runner_restarts(cluster: px.Cluster, rounds: int = 5) -> float:
+    import psutil
+
+    from phalanx.envs import EnvRunnerGroup, EnvRunnerGroupConfig
+    from phalanx.envs.policy import ActorCritic
+
+    stamps = tempfile.mkdtemp(prefix="px_stamps_")
+    cfg = EnvRunnerGroupConfig(env_config={"stamps": stamps}, num_envs_per_env_runner=1, seed=0)
+    g = EnvRunnerGroup(
+        env_creator=_timed_cartpole,
+        config=cfg,
+        num_env_runners=2,
+        local_env_runner=False,
+        cluster=cluster,
+        name="bench_env_restart",
+    )
+    learner = ActorCritic(*g.get_spaces()["__env__"])
+    g.sync_weights(from_worker_or_learner_group=learner, timeout_seconds=None)
+    rg = g.remote_group
+    phases: dict[str, list[float]] = {}
+
+    def note(name: str, dt: float) -> None:
+        phases.setdefault(name, []).append(dt)
+
+    for i in range(rounds):
+        g.sample(num_timesteps=8)
+        n_events = len(rg.health_events())
+        pid = rg.worker_metadata[0]["pid"]
+        t_kill = time.time()
+        os.kill(pid, signal.SIGKILL)
+        back: list[int] = []
+        deadline = time.monotonic() + 300
+        while 1 not in back and time.monotonic() < deadline:
+            back += g.probe_unhealthy_env_runners()
+        t_back = time.time()
+        if 1 not in back:
+            raise RuntimeError(f"round {i}: runner 1 not back: {rg.health_events()[-3:]}")
+        ev = rg.health_events()[n_events:]
+        t_seen = next(e.time for e in ev if e.new == px.WorkerHealth.UNHEALTHY)
+        t_restart = next(e.time for e in ev if e.new == px.WorkerHealth.RESTARTING)
+        t_healthy = next(e.time for e in ev if e.new == px.WorkerHealth.HEALTHY)
+        new_pid = rg.worker_metadata[0]["pid"]
+        t_proc = psutil.Process(new_pid).create_time()
+        t_env = float((Path(stamps) / str(new_pid)).read_text())
+        note("kill -> death seen", t_seen - t_kill)
+        note("death seen -> restart started", t_restart - t_seen)
+        note("restart started -> process up", max(0.0, t_proc - t_restart))
+        note("process up -> env built (imports, init)", t_env - max(t_proc, t_restart))
+        note("env built -> healthy (init end, restore)", t_healthy - t_env)
+        note("healthy -> back in service (probe)", t_back - t_healthy)
+        note("total", t_back - t_kill)
+    g.stop()
+    print("env runner restart, median over", rounds, "kills (wall s):")
+    for name, ts in phases.items():
+        print(f"  {name}: {statistics.median(ts):.3f} (max {max(ts):.3f})")
+    # Baseline: a bare actor (no phalanx, no torch or gymnasium import) started on the node.
+    starts = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        a = _Bare.remote()
+        ray.get(a.ready.remote())
+        starts.append(time.perf_counter() - t0)
+        ray.kill(a)
+    total = statistics.median(phases["total"])
+    base = statistics.median(starts)
+    print(
+        f"env runner restart (kill -> back in service) vs bare Ray actor start: "
+        f"phalanx {total:.3f} s, baseline {base:.3f} s, RATIO {total / base:.2f}x"
+    )
+    return total
+
+
+PRELOAD = ["torch", "gymnasium"]
+
+
+def env_runner_preload(rounds: int) -> None:
+    """Restart time on a Ray without and with torch/gymnasium preloaded in its workers."""
+    totals = {}
+    for label, system_config in (("plain", {}), ("preload", {"preload_python_modules": PRELOAD})):
+        if ray.is_initialized():
+            ray.shutdown()
+        print(f"--- Ray workers: {label}")
+        cluster = px.Cluster(num_cpus=8, _system_config=system_config)
+        totals[label] = env_runner_restarts(cluster, rounds)
+        ray.shutdown()
+    print(
+        f"env runner restart, preloaded Ray workers vs plain: {totals['preload']:.3f} s vs "
+        f"{totals['plain']:.3f} s, RATIO {totals['preload'] / totals['plain']:.2f}x"
+    )
+
+
 def main() -> None:
-    cluster = px.Cluster(num_cpus=32)
-    recovery(cluster)
-    overhead(cluster)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--env-runners", action="store_true", help="only the env runner breakdown")
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    if not args.env_runners:
+        cluster = px.Cluster(num_cpus=32)
+        recovery(cluster)
+        overhead(cluster)
+    env_runner_preload(args.rounds)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ README_COMMAND = [
 def _runner_processes(driver: psutil.Process, group_prefix: str) -> list[psutil.Process]:
     """The run's env runner processes: descendants of its driver (whose Ray it started)
     titled as env runners (``ray::<group>:<rank>:Host[EnvRunner].__init__`` while starting,
-    ``ray::Host[EnvRunner].<method>`` after)."""
+    ``ray::Host[EnvRunner].<method>`` in a call, ``ray::Host_EnvRunner`` between calls)."""
     out = []
     try:
         children = driver.children(recursive=True)
@@ -56,7 +56,10 @@ def _runner_processes(driver: psutil.Process, group_prefix: str) -> list[psutil.
             title = " ".join(proc.cmdline())
         except psutil.Error:
             continue
-        if "Host[EnvRunner]" in title and (group_prefix in title or not title.endswith("__init__")):
+        if "Host_EnvRunner" in title or (
+            "Host[EnvRunner]" in title
+            and (group_prefix in title or not title.rstrip().endswith("__init__"))
+        ):
             out.append(proc)
     return out
 
@@ -133,6 +136,7 @@ def run_once(chaos: bool, seed: int, every_s: float, startup_kills: int, timeout
         if killer is not None:
             killer.join()
     wall = time.perf_counter() - t0
+    load = os.getloadavg()[0]
     summary = _summary(out)
     return {
         "chaos": chaos,
@@ -144,6 +148,7 @@ def run_once(chaos: bool, seed: int, every_s: float, startup_kills: int, timeout
         "timesteps": summary.get("timesteps"),
         "restarts": summary.get("restarts"),
         "kills": kills,
+        "load_at_end": load,
         "stderr_tail": "" if proc.returncode == 0 else err[-2000:],
         "run_dir": str(Path(runs_dir) / name),
     }
@@ -173,7 +178,9 @@ def main() -> None:
     results = []
     for i in range(args.runs):  # clean and chaos alternate, so load drifts hit both alike
         for chaos in (False, True):
+            load_before = os.getloadavg()[0]
             r = run_once(chaos, args.seed + i, args.every, args.startup_kills, args.timeout)
+            r["load_before"] = load_before
             results.append(r)
             first_kill = (
                 f", first kill at {r['kills'][0][0]:.1f} s ({r['kills'][0][2]})"
@@ -186,7 +193,8 @@ def main() -> None:
                 f"{r['reached']}"
                 + (f" at {t450:.1f} s" if t450 is not None else "")
                 + f", process wall {r['wall_s']:.1f} s, {r['timesteps']} timesteps, "
-                f"restarts {r['restarts']}, kills {len(r['kills'])}{first_kill}",
+                f"restarts {r['restarts']}, kills {len(r['kills'])}{first_kill}, "
+                f"load average {r['load_before']:.1f} -> {r['load_at_end']:.1f}",
                 flush=True,
             )
             if r["rc"] != 0:
@@ -203,6 +211,7 @@ def main() -> None:
             f"kills per run {[len(r['kills']) for r in chaos]}, restarts per run "
             f"{[r['restarts'] for r in chaos]}"
         )
+        print(f"RATIO time to 450 under a kill every {args.every:g} s / clean: {k / c:.2f}x")
     sys.exit(0 if ok else 1)
 
 
