@@ -4,8 +4,12 @@ For each size N:
 
 - no-op call to every worker: ``group.noop().wait()`` vs ``ray.get([a.noop.remote() ...])``
   on the *same* actors (``group.actors``), interleaved; goal <= 1.10x at every size;
-- launch: ``create_group().launch(...)`` until every worker answers vs creating N raw Ray
-  actors (one CPU each) until every one answers; goal <= 1.2x;
+- launch: ``create_group().launch(...)`` until every worker answers vs creating the same
+  worker class as N raw Ray actors (``ray.remote(num_cpus=1)(Noop)``, one CPU each) until
+  every one answers; goal <= 1.2x. Measured raw, group, group, raw (each side's mean), so
+  neither side always finds Ray's pool of idle worker processes fuller. For reference the
+  launch of N bare Ray actors (a class that imports nothing of phalanx) is printed too:
+  that gap also holds what any ``phalanx.Worker`` subclass costs to import;
 - driver memory: growth of this process's RSS per worker, for the group and the raw actors.
 
 ``--nodes K`` runs the same on a ``ray.cluster_utils.Cluster`` of K local nodes (the group
@@ -34,8 +38,11 @@ class Noop(px.Worker):
         return None
 
 
+RawNoop = ray.remote(num_cpus=1)(Noop)  # the same worker class as a plain Ray actor
+
+
 @ray.remote(num_cpus=1)
-class RawActor:
+class BareActor:
     def noop(self):
         return None
 
@@ -45,11 +52,26 @@ def _rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-def _launch_raw(n: int) -> tuple[list, float]:
+def _wait_cpus_free(total: float, timeout_s: float = 120.0) -> None:
+    """Block until Ray gives back every CPU (killed actors release theirs asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU", 0.0) + 1e-9 < total:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"CPUs not released after {timeout_s}s")
+        time.sleep(0.05)
+
+
+def _launch_raw(cls, n: int) -> tuple[list, float]:
     t0 = time.perf_counter()
-    actors = [RawActor.remote() for _ in range(n)]
+    actors = [cls.remote() for _ in range(n)]
     ray.get([a.noop.remote() for a in actors])
     return actors, time.perf_counter() - t0
+
+
+def _kill_raw(actors: list, total_cpus: float) -> None:
+    for a in actors:
+        ray.kill(a)
+    _wait_cpus_free(total_cpus)
 
 
 def _launch_group(cluster: px.Cluster, n: int, name: str) -> tuple[px.WorkerGroup, float]:
@@ -62,18 +84,27 @@ def _launch_group(cluster: px.Cluster, n: int, name: str) -> tuple[px.WorkerGrou
 
 
 def bench_size(cluster: px.Cluster, n: int, repeats: int) -> dict[str, float]:
-    # raw actors first (the group's workers then do not find a warmer machine than they had)
+    total_cpus = ray.cluster_resources().get("CPU", 0.0)
+    _wait_cpus_free(total_cpus)
+    raw_times, group_times = [], []
+    # raw, group, group, raw: the pool of idle worker processes Ray keeps is drained by
+    # whichever side runs first after a quiet spell.
     mem0 = _rss_mb()
-    raw, raw_launch = _launch_raw(n)
+    raw, t = _launch_raw(RawNoop, n)
     raw_mem = (_rss_mb() - mem0) / n
-    for a in raw:
-        ray.kill(a)
+    raw_times.append(t)
+    _kill_raw(raw, total_cpus)
     del raw
     mem0 = _rss_mb()
-    group, group_launch = _launch_group(cluster, n, f"bench_fanout_{n}")
+    group, t = _launch_group(cluster, n, f"bench_fanout_{n}_a")
     group_mem = (_rss_mb() - mem0) / n
+    group_times.append(t)
+    group.shutdown()
+    _wait_cpus_free(total_cpus)
+    group, t = _launch_group(cluster, n, f"bench_fanout_{n}_b")
+    group_times.append(t)
     actors = group.actors
-    t = interleaved(
+    t_call = interleaved(
         {
             "phalanx": lambda: group.noop().wait(),
             "raw": lambda: ray.get([a.noop.remote() for a in actors]),
@@ -82,13 +113,22 @@ def bench_size(cluster: px.Cluster, n: int, repeats: int) -> dict[str, float]:
         warmup=10,
     )
     group.shutdown()
+    _wait_cpus_free(total_cpus)
+    raw, t = _launch_raw(RawNoop, n)
+    raw_times.append(t)
+    _kill_raw(raw, total_cpus)
+    bare, bare_launch = _launch_raw(BareActor, n)
+    _kill_raw(bare, total_cpus)
+    group_launch, raw_launch = statistics.mean(group_times), statistics.mean(raw_times)
     return {
-        "call_phalanx_ms": t["phalanx"] * 1e3,
-        "call_raw_ms": t["raw"] * 1e3,
-        "call_ratio": t["phalanx"] / t["raw"],
+        "call_phalanx_ms": t_call["phalanx"] * 1e3,
+        "call_raw_ms": t_call["raw"] * 1e3,
+        "call_ratio": t_call["phalanx"] / t_call["raw"],
         "launch_phalanx_s": group_launch,
         "launch_raw_s": raw_launch,
+        "launch_bare_s": bare_launch,
         "launch_ratio": group_launch / raw_launch,
+        "launch_ratio_bare": group_launch / bare_launch,
         "driver_mb_per_worker_phalanx": group_mem,
         "driver_mb_per_worker_raw": raw_mem,
     }
@@ -130,11 +170,13 @@ def main() -> None:
         r = bench_size(cluster, n, args.repeats)
         rows.append((n, r))
         print(
-            f"[{where}] {n:3d} workers: no-op call phalanx {r['call_phalanx_ms']:.2f} ms, raw Ray "
-            f"{r['call_raw_ms']:.2f} ms, ratio {r['call_ratio']:.3f}x (goal <= 1.10x) | launch "
-            f"phalanx {r['launch_phalanx_s']:.2f} s, raw {r['launch_raw_s']:.2f} s, ratio "
-            f"{r['launch_ratio']:.2f}x (goal <= 1.2x) | driver RSS per worker phalanx "
-            f"{r['driver_mb_per_worker_phalanx']:.2f} MB, raw {r['driver_mb_per_worker_raw']:.2f} MB",
+            f"[{where}] {n:3d} workers: RATIO call {r['call_ratio']:.3f}x (goal <= 1.10x; "
+            f"phalanx {r['call_phalanx_ms']:.2f} ms, raw Ray {r['call_raw_ms']:.2f} ms) | RATIO "
+            f"launch {r['launch_ratio']:.2f}x (goal <= 1.2x; phalanx {r['launch_phalanx_s']:.2f} s, "
+            f"raw actors of the same class {r['launch_raw_s']:.2f} s; vs bare actors "
+            f"{r['launch_bare_s']:.2f} s: {r['launch_ratio_bare']:.2f}x) | driver RSS per worker "
+            f"phalanx {r['driver_mb_per_worker_phalanx']:.2f} MB, raw "
+            f"{r['driver_mb_per_worker_raw']:.2f} MB",
             flush=True,
         )
     if len(rows) > 1:

@@ -12,7 +12,10 @@ import itertools
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, as_completed
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,13 +23,13 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from phalanx._base.errors import WorkerError
+from phalanx._base.errors import WorkerDiedError, WorkerError
 from phalanx.group.results import unwrap_error
 from phalanx.resources.cluster import NAMESPACE, Cluster, find_free_port
 from phalanx.resources.placement import Placement, WorkerSlot
 from phalanx.resources.strategies import PlacementStrategy
 from phalanx.resources.virtual_cluster import RayVirtualCluster
-from phalanx.worker.builder import RayWorkerBuilder, allowlisted_env
+from phalanx.worker.builder import RayWorkerBuilder, allowlisted_env, pool_environ
 from phalanx.worker.worker import WorkerContext
 
 _group_counter = itertools.count()
@@ -259,9 +262,11 @@ class Roster:
         self.master_address = first.node_ip
         self.master_port = find_free_port(first.node_ip, first.node_id)
         self.env_layers = [allowlisted_env(), {}, dict(env_vars)]
+        t0 = time.perf_counter()
         if self.builder.isolated:
             self._initializer = self.builder.new_initializer()
-        t0 = time.perf_counter()
+        else:  # one probe per node, in parallel, before the first worker needs it
+            pool_environ(s.node_id for s in slots)
         pending = [self._spawn(s) for s in slots]
         try:
             self.actors = list(ray.get(pending, timeout=self.launch_timeout_s))
@@ -288,6 +293,7 @@ class Roster:
             "px_context": ctx,
             "px_env_layers": self.env_layers,
             "num_gpus_per_node": getattr(self.cluster, "num_gpus_per_node", None),
+            "px_node_id": s.node_id or None,
             # Fate-share with the driver (or the initializer it owns) even when the class
             # asks for ``lifetime="detached"``: a killed driver must take its group along.
             "lifetime": None,
@@ -309,35 +315,53 @@ class Roster:
     def _await_ready(
         self, t0: float, startup_restarts_left: Callable[[int, int], bool]
     ) -> dict[int, int]:
-        deadline = t0 + self.launch_timeout_s
+        """Wait for every worker's ``__init__``; each answer is handled once, as it arrives.
+
+        Each rank has ``launch_timeout_s`` from its latest (re)creation: a start-up restart
+        extends the wait for that rank, and restarts are bounded by the policy, so the
+        wait is too.
+        """
         world = len(self.actors)
-        refs = {r: self.actors[r]._px_describe.remote() for r in range(world)}
+        deadlines = dict.fromkeys(range(world), t0 + self.launch_timeout_s)
+        pending: dict[Future, tuple[int, ray.ObjectRef]] = {}
+
+        def ask(rank: int) -> None:
+            ref = self.actors[rank]._px_describe.remote()
+            pending[ref.future()] = (rank, ref)
+
+        for r in range(world):
+            ask(r)
         metas: dict[int, dict[str, Any]] = {}
         restarts: dict[int, int] = {}
-        last_note = time.monotonic()
-        while len(metas) < world:
-            left = deadline - time.perf_counter()
-            waiting = [refs[r] for r in range(world) if r not in metas]
+        while pending:
+            now = time.perf_counter()
+            left = min(deadlines[rank] for rank, _ in pending.values()) - now
             if left <= 0:
-                idx = [r for r in range(world) if r not in metas]
+                idx = sorted(rank for rank, _ in pending.values() if deadlines[rank] <= now)
                 raise RuntimeError(
                     f"group {self.name}: ranks {idx} not ready after {self.launch_timeout_s}s "
-                    f"(resources held elsewhere? available: {ray.available_resources()})"
+                    f"(start-up restarts so far: {restarts or 'none'}; resources held "
+                    f"elsewhere? available: {ray.available_resources()})"
                 )
-            ready, _ = ray.wait(waiting, num_returns=1, timeout=min(left, 5.0))
-            for rank in [r for r in range(world) if r not in metas and refs[r] in ready]:
-                try:
-                    metas[rank] = ray.get(refs[rank])
-                except (RayTaskError, RayActorError) as e:
-                    done = restarts.get(rank, 0)
-                    if _died_in_init(e) and startup_restarts_left(rank, done):
+            # as_completed over the futures pending now: O(1) per answer. A recreated
+            # rank starts a new round, which waits on its new future too.
+            try:
+                for fut in as_completed(list(pending), timeout=min(left, 5.0)):
+                    rank, ref = pending.pop(fut)
+                    try:
+                        metas[rank] = ray.get(ref)
+                    except (RayTaskError, RayActorError) as e:
+                        done = restarts.get(rank, 0)
+                        if not _died_in_init(e):
+                            raise _init_error(self.name, rank, e) from None
+                        if not startup_restarts_left(rank, done):
+                            raise _startup_exhausted(self.name, rank, done, e) from None
                         restarts[rank] = done + 1
-                        self.actors[rank] = self._recreate(rank, max(1.0, left))
-                        refs[rank] = self.actors[rank]._px_describe.remote()
-                        continue
-                    raise _init_error(self.name, rank, e) from None
-            if len(metas) < world and time.monotonic() - last_note > 4.5:
-                last_note = time.monotonic()
+                        self.actors[rank] = self._recreate(rank, self.launch_timeout_s)
+                        deadlines[rank] = time.perf_counter() + self.launch_timeout_s
+                        ask(rank)
+                        break
+            except FuturesTimeout:
                 print(
                     f"[phalanx] {self.name}: waiting for {world - len(metas)}/{world} workers "
                     f"to start ({time.perf_counter() - t0:.0f}s)",
@@ -456,22 +480,27 @@ class Roster:
 
 
 def wait_names_free(names: list[str], timeout: float) -> list[str]:
-    """Block until no actor holds these names (or ``timeout``); returns those still held."""
+    """Block until no actor holds these names (or ``timeout``); returns those still held.
+
+    Each round asks about names only up to the first one still held: the cost is one
+    lookup per freed name plus one per round, not one per name per round.
+    """
     deadline = time.monotonic() + timeout
-    held = list(names)
-    while held:
-        still = []
-        for n in held:
-            try:
-                ray.get_actor(n, namespace=NAMESPACE)
-                still.append(n)
-            except ValueError:
-                pass
-        held = still
-        if not held or time.monotonic() >= deadline:
-            break
-        time.sleep(0.02)
-    return held
+    held = deque(names)
+    while held and time.monotonic() < deadline:
+        while held and not _name_held(held[0]):
+            held.popleft()
+        if held:
+            time.sleep(0.02)
+    return [n for n in held if _name_held(n)]
+
+
+def _name_held(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True
 
 
 def _kill(actor: Any) -> None:
@@ -485,6 +514,22 @@ def _died_in_init(e: BaseException) -> bool:
     """The process died while ``__init__`` ran (killed, crashed), not ``__init__`` raising."""
     err = getattr(e, "cause", None) if isinstance(e, RayTaskError) else e
     return isinstance(err, RayActorError) and not getattr(err, "actor_init_failed", False)
+
+
+def _startup_exhausted(group: str, rank: int, done: int, e: BaseException) -> BaseException:
+    """A rank died in ``__init__`` with no start-up restart left: its death, saying so."""
+    err = _init_error(group, rank, e)
+    if done == 0 or not isinstance(err, WorkerError):
+        return err  # restarts off: the plain death
+    return WorkerDiedError(
+        group,
+        rank,
+        "__init__",
+        err.remote_traceback,
+        err.cause_type,
+        f"died during start-up again after {done} start-up restart(s), no restart left "
+        f"(max_restarts_per_worker): {err.message}",
+    )
 
 
 def _init_error(group: str, rank: int, e: BaseException) -> BaseException:

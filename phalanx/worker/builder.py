@@ -19,6 +19,31 @@ Environment of a worker, lowest precedence first:
    disagrees with its group's dispatch silently breaks collectives).
 
 Unlike NeMo-RL, the rest of the driver's environment is not copied.
+
+How the environment reaches the worker. A Ray ``runtime_env`` that differs between actors
+keeps Ray from reusing its pooled worker processes: each such actor waits for a process
+started for it alone. So the host actor sets the merged environment (1-4, then 5) in
+``os.environ`` as the first thing it does, before it loads the worker class (sent as a
+name or as pickled bytes, so its module is imported only then) and before the worker's
+``__init__`` runs. Only *pre-import* variables go into the actor's ``runtime_env``: those
+read when the interpreter starts or when a module the Ray worker process has already
+imported is loaded (``is_pre_import``: ``PYTHON*``, ``LD_*``, ``LANG``/``LC_*``/``TZ``,
+``MALLOC_*``/``GLIBC_TUNABLES``, thread-count variables of OpenMP/MKL/BLAS, ``RAY_*``,
+``CUDA_*``/``PYTORCH_*``/``TORCH_*``), and only those whose value differs from the
+environment Ray's worker processes on the target node start with. phalanx learns that
+environment once per node (``pool_environ``: from the raylet's process when it runs on
+this machine, else from a zero-CPU task on the node); where the node is unknown every
+pre-import variable goes into the ``runtime_env``. A group of plain workers whose
+pre-import variables match the pool's (the usual case: the driver, the raylets and their
+workers share one shell environment) creates actors with no ``runtime_env`` at all, and
+Ray reuses pooled processes.
+
+Consequences: ``with_runtime_env(runtime_env=..., py_executable=...)``, a class's own
+``@ray.remote(runtime_env=...)`` and ``configure_worker``'s runtime_env are Ray runtime
+environments as before (their actors get dedicated processes); variables read while Ray
+unpickles the worker's ``__init__`` arguments are set too late unless pre-import; and
+actors or tasks that a worker starts itself do not inherit the non-pre-import variables
+through Ray (its child *processes* do, through ``os.environ``).
 """
 
 from __future__ import annotations
@@ -26,10 +51,17 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import threading
+from collections.abc import Iterable
 from typing import Any
 
+import psutil
 import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.placement_group import placement_group_table
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
 from phalanx.worker.host import CONTROL_GROUP, WEIGHTS_GROUP, host_class_for, load_class
 from phalanx.worker.worker import RANK_ENV_KEYS, WorkerContext
@@ -61,6 +93,144 @@ def allowlisted_env(environ: dict[str, str] | None = None) -> dict[str, str]:
         for k, v in environ.items()
         if (k in ENV_ALLOWLIST or k.startswith(ENV_ALLOWLIST_PREFIXES)) and k not in RANK_ENV_KEYS
     }
+
+
+PRE_IMPORT_ENV = frozenset({"LANG", "LANGUAGE", "TZ", "GLIBC_TUNABLES", "GOTO_NUM_THREADS"})
+PRE_IMPORT_ENV_PREFIXES = (
+    "PYTHON",
+    "LD_",
+    "LC_",
+    "MALLOC_",
+    "OMP_",
+    "KMP_",
+    "GOMP_",
+    "MKL_",
+    "OPENBLAS_",
+    "RAY_",
+    "CUDA_",
+    "PYTORCH_",
+    "TORCH_",
+)
+
+
+def is_pre_import(name: str) -> bool:
+    """True for a variable that must be in a process's environment when it starts."""
+    return name in PRE_IMPORT_ENV or name.startswith(PRE_IMPORT_ENV_PREFIXES)
+
+
+def _pre_import_subset(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if is_pre_import(k)}
+
+
+def _initial_environ() -> dict[str, str]:
+    """The pre-import variables this process was started with (not later changes)."""
+    try:
+        return _pre_import_subset(psutil.Process().environ())
+    except (psutil.Error, OSError):  # no /proc: the current environment is the best guess
+        return _pre_import_subset(dict(os.environ))
+
+
+_probe_environ = ray.remote(num_cpus=0, max_retries=0)(_initial_environ)
+_POOL_ENV: dict[str, dict[str, str] | None] = {}
+_POOL_ENV_LOCK = threading.Lock()
+# Set by Ray for each worker process (or, LD_PRELOAD, for the raylet alone): a raylet's
+# environment says nothing about their value in a worker.
+_NOT_INHERITED = frozenset({"LD_PRELOAD", "RAY_JOB_ID", "RAY_RAYLET_PID"})
+
+
+def _local_raylet_environ(node_ids: list[str]) -> dict[str, dict[str, str]]:
+    """Environments of the raylets of ``node_ids`` that run on this machine.
+
+    A raylet starts its node's worker processes with its own environment; reading it
+    costs no worker process. Nodes on other machines (or unreadable) are left out.
+    """
+    flags = {f"--node_id={n}": n for n in node_ids}
+    found: dict[str, dict[str, str]] = {}
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        if proc.info["name"] != "raylet" or not proc.info["cmdline"]:
+            continue
+        node = next((flags[a] for a in proc.info["cmdline"] if a in flags), None)
+        if node is None:
+            continue
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):
+            continue
+        found[node] = {k: v for k, v in _pre_import_subset(env).items() if k not in _NOT_INHERITED}
+    return found
+
+
+def pool_environ(
+    node_ids: Iterable[str], timeout_s: float = 60.0
+) -> dict[str, dict[str, str] | None]:
+    """Pre-import variables Ray's worker processes on each node start with (``None``: unknown).
+
+    A node whose raylet runs on this machine: read from the raylet's process environment.
+    Another node: one zero-CPU task reads its own process's initial environment (all such
+    tasks in parallel). Cached for the life of this process (node ids are never reused);
+    a node that does not answer in ``timeout_s`` stays unknown. The ``env_vars`` of the
+    caller's Ray ``runtime_env`` (the job's, or the actor's when an actor asks), which the
+    actors it creates inherit, are laid over the result.
+    """
+    wanted = [n for n in dict.fromkeys(node_ids) if n]
+    with _POOL_ENV_LOCK:
+        missing = [n for n in wanted if n not in _POOL_ENV]
+    if missing:
+        found: dict[str, dict[str, str] | None] = dict(_local_raylet_environ(missing))
+        remote = [n for n in missing if n not in found]
+        refs = [
+            _probe_environ.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)
+            ).remote()
+            for n in remote
+        ]
+        for n, ref in zip(remote, refs):
+            try:
+                env = ray.get(ref, timeout=timeout_s)
+                found[n] = {k: v for k, v in env.items() if k not in _NOT_INHERITED}
+            except Exception:  # noqa: BLE001 - node gone or too slow: send every variable
+                found[n] = None
+        with _POOL_ENV_LOCK:
+            _POOL_ENV.update(found)
+    inherited = _pre_import_subset(
+        dict(ray.get_runtime_context().runtime_env.get("env_vars") or {})
+    )
+    with _POOL_ENV_LOCK:
+        known = {n: _POOL_ENV[n] for n in wanted}
+    return {n: None if e is None else {**e, **inherited} for n, e in known.items()}
+
+
+def pre_import_runtime_env(env: dict[str, str], node_id: str | None) -> dict[str, str]:
+    """The variables of ``env`` that must go into a Ray ``runtime_env`` on ``node_id``."""
+    pre = {k: v for k, v in env.items() if is_pre_import(k)}
+    if not pre:
+        return {}
+    pool = pool_environ([node_id])[node_id] if node_id else None
+    if pool is None:
+        return pre
+    return {k: v for k, v in pre.items() if pool.get(k) != v}
+
+
+def _bundle_node(placement_group: Any, bundle_index: int | None) -> str | None:
+    """The node holding a placement group's bundle (``None`` when not yet placed)."""
+    if placement_group is None or bundle_index is None or bundle_index < 0:
+        return None
+    try:
+        nodes = placement_group_table(placement_group).get("bundles_to_node_id", {})
+    except Exception:  # noqa: BLE001 - removed or not yet known
+        return None
+    return nodes.get(bundle_index)
+
+
+def _deferred(cls_or_fqn: Any) -> str | bytes:
+    """The worker class as the host loads it after setting the environment.
+
+    A name stays a name; a class is pickled here exactly as Ray would pickle it, and unpickled by the host, so the modules it needs are imported after the
+    environment is set instead of while Ray unpickles the actor's arguments.
+    """
+    if isinstance(cls_or_fqn, str):
+        return cls_or_fqn
+    return ray.cloudpickle.dumps(cls_or_fqn)
 
 
 def _check_env(env: dict[str, str] | None, arg: str) -> dict[str, str]:
@@ -108,6 +278,7 @@ def _create_host(
     ctx: WorkerContext | None = extra.pop("px_context", None)
     env_layers: list[dict[str, str]] = extra.pop("px_env_layers", [{}, {}, {}])
     num_gpus_per_node = extra.pop("num_gpus_per_node", None)
+    node_id: str | None = extra.pop("px_node_id", None)
     options = _merge(_class_options(cls_or_fqn), extra)
     kwargs = dict(init_kwargs)
     configure_env: dict[str, str] = {}
@@ -133,8 +304,13 @@ def _create_host(
             options["runtime_env"] = _merge(options.get("runtime_env", {}), rest[0])
     allow, builder_env, group_env = env_layers
     env = {**allow, **builder_env, **group_env, **configure_env}
+    # Set by the host in os.environ; only pre-import variables that the node's pooled
+    # processes lack need a runtime_env (see the module docstring).
     runtime_env = dict(options.pop("runtime_env", None) or {})
-    runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **env}
+    node_id = node_id or _bundle_node(placement_group, placement_group_bundle_index)
+    pre = pre_import_runtime_env(env, node_id)
+    if pre:
+        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **pre}
     if placement_group is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             placement_group=placement_group,
@@ -144,7 +320,8 @@ def _create_host(
     options["num_gpus"] = num_gpus
     options.setdefault("num_cpus", 1)
     options.setdefault("max_concurrency", 1)
-    options["runtime_env"] = runtime_env
+    if runtime_env:
+        options["runtime_env"] = runtime_env
     if ctx is None:
         ctx = WorkerContext(
             group_name=options.get("name", "worker").split(":")[0], rank=0, world_size=1
@@ -152,7 +329,9 @@ def _create_host(
     ctx.env = env
     ctx.bundle_indices = bundle_indices
     return (
-        _host_actor_class(cls).options(**options).remote(cls_or_fqn, ctx, tuple(init_args), kwargs)
+        _host_actor_class(cls)
+        .options(**options)
+        .remote(_deferred(cls_or_fqn), ctx, tuple(init_args), kwargs)
     )
 
 

@@ -42,8 +42,11 @@ holds_model_lock = holds_call_lock(_worker_of)
 
 
 def load_class(cls_or_fqn: Any) -> type:
-    """The worker class from a class, a ``@ray.remote`` class, or ``"pkg.module.Class"``."""
-    if isinstance(cls_or_fqn, str):
+    """The worker class from a class, a ``@ray.remote`` class, ``"pkg.module.Class"``, or
+    a class pickled with ``ray.cloudpickle`` (bytes)."""
+    if isinstance(cls_or_fqn, bytes):
+        cls = ray.cloudpickle.loads(cls_or_fqn)
+    elif isinstance(cls_or_fqn, str):
         module_name, _, class_name = cls_or_fqn.rpartition(".")
         if not module_name:
             raise ValueError(f"worker class must be 'module.Class', got {cls_or_fqn!r}")
@@ -81,6 +84,7 @@ class WorkerHost:
     """Hosts the user's worker object inside a Ray actor process."""
 
     def __init__(self, cls_or_fqn: Any, ctx: WorkerContext, args: tuple, kwargs: dict):
+        # The environment first: the worker class is loaded (its module imported) below.
         os.environ.update(ctx.env)
         os.environ.update(ctx.rank_env())
         self._ctx = ctx
