@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -455,14 +456,18 @@ def build_policy(cfg: PPOConfig, observation_space: Any, action_space: Any) -> t
 
 
 # ---------------------------------------------------------------------------- start-up
-def start_ray() -> None:
+def start_ray(logical_cpus: int | None = None) -> None:
     """An embedded local Ray for this process, unless Ray is up or ``RAY_ADDRESS`` is set.
 
     A fresh local Ray even when a ``ray start`` cluster runs on this machine (plain
-    ``ray.init()`` would join it). Ray would also pre-start idle workers for plain tasks
-    (runners, with env vars of their own, never use them) and run workers at nice 15; on a
-    small, shared machine both only take CPU from the runners, which are this job's work.
-    Called on the main thread: Ray's daemons die with the thread that started them.
+    ``ray.init()`` would join it), with ``logical_cpus`` CPU slots (None: phalanx's
+    embedded default). Ray pre-starts one idle worker process per slot as soon as this
+    driver connects, and each imports torch and gymnasium before it takes work, so the
+    runners find a process with their heavy imports done instead of starting one after
+    Ray is up; ``train`` therefore asks for just the runners' slots plus one (the group's
+    probe of the pool's environment runs in that one). Workers run at nice 0, not Ray's
+    15: on a small, shared machine the runners are this job's work. Called on the main
+    thread: Ray's daemons die with the thread that started them.
     """
     import ray
 
@@ -470,15 +475,24 @@ def start_ray() -> None:
 
     if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
         return
+    prestart = logical_cpus is not None
+    if logical_cpus is None:
+        logical_cpus = max(DEFAULT_EMBEDDED_CPUS, os.cpu_count() or 1)
     for attempt in (1, 2):
         try:
             ray.init(
                 address="local",
-                num_cpus=max(DEFAULT_EMBEDDED_CPUS, os.cpu_count() or 1),
+                num_cpus=logical_cpus,
                 num_gpus=0,
                 include_dashboard=False,
                 namespace=NAMESPACE,
-                _system_config={"prestart_worker_first_driver": False, "worker_niceness": 0},
+                _system_config={
+                    "prestart_worker_first_driver": prestart,
+                    "worker_niceness": 0,
+                    # an idle worker process has the runners' heavy imports done, so a
+                    # runner restarted there skips them (benchmarks/bench_recovery.py)
+                    "preload_python_modules": ["torch", "gymnasium"],
+                },
             )
             return
         except Exception as e:  # Ray gives its raylet a fixed 30 s to register
@@ -568,7 +582,8 @@ def train(
     try:
         if cluster is None and cfg.num_env_runners > 0:
             with times.phase("ray start"):
-                start_ray()
+                slots = cfg.num_env_runners * cfg.env_runner_config().num_cpus_per_env_runner
+                start_ray(math.ceil(slots) + 1)
         from phalanx.envs import EnvRunnerGroup
 
         with times.phase("env runners start"):

@@ -225,3 +225,26 @@ def test_breakdown_covers_the_run(cluster, tmp_path):
     counted = sum(v for k, v in b.items() if k not in ("learner init", "other"))
     assert counted <= out["wall_time_s"] + 1e-3
     assert b["other"] == pytest.approx(out["wall_time_s"] - counted, abs=2e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_readme_command_starts_its_own_ray(tmp_path):
+    """The README command in a fresh process: its own embedded Ray (runner slots plus one,
+    pre-started workers), two runners, and a breakdown that names the start-up phases."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    argv = [sys.executable, "-m", "phalanx.cli", "train", "ppo", "--env", "CartPole-v1",
+            "--env-runners", "2", "--max-timesteps", "1024", "--name", "own",
+            "--runs-dir", str(tmp_path), "--no-progress"]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=220, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    summary = json.loads(out[out.index("{\n") : out.index("\n}") + 2])
+    assert summary["timesteps"] == 1024 and summary["iterations"] == 2
+    assert summary["restarts"] == 0
+    b = json.loads((tmp_path / "own" / "breakdown.json").read_text())["phases"]
+    for phase in ("python start-up and imports", "ray start", "env runners start", "learning"):
+        assert b[phase] > 0, (phase, b)
