@@ -634,16 +634,24 @@ def main() -> None:
     chosen = [s for s in SCENARIOS if not args.only or s[0] in args.only.split(",")]
     # The faults make Ray print a worker-death notice each: keep the table readable.
     cluster = px.Cluster(num_cpus=16, log_to_driver=False)
+    header = (
+        f"{'scenario':<22} {'expected':<44} {'ok':<4} {'detect s':>8} {'recover s':>9}  observed"
+    )
+    print(header)
+    lines = []
     survived = 0
-    print(f"{'scenario':<22} {'expected':<44} {'ok':<4} {'detect s':>8} {'recover s':>9}  observed")
     for name, expected, fn in chosen:
         out = _run(cluster, name, fn, args.timeout)
         survived += out.survived
-        print(
+        lines.append(
             f"{name:<22} {expected:<44} {'yes' if out.survived else 'NO':<4} "
-            f"{_fmt(out.detect_s):>8} {_fmt(out.recover_s):>9}  {out.observed}",
-            flush=True,
+            f"{_fmt(out.detect_s):>8} {_fmt(out.recover_s):>9}  {out.observed}"
         )
+        print(lines[-1], flush=True)
+    # Ray prints a notice for every worker death between the rows above: the table again.
+    print("\nsummary")
+    print(header)
+    print("\n".join(lines))
     print(f"faults tried {len(chosen)} / survived {survived}")
 
 
