@@ -83,7 +83,10 @@ class Cluster:
                 ray.init(address=address, **kwargs)
             else:
                 kwargs.setdefault("include_dashboard", False)
+                # "local": a fresh instance even when `ray start` runs on this machine
+                # (a bare ray.init() would join that cluster and refuse num_cpus).
                 ray.init(
+                    address="local",
                     num_cpus=num_cpus
                     if num_cpus is not None
                     else max(DEFAULT_EMBEDDED_CPUS, os.cpu_count() or 1),
