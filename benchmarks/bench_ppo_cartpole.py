@@ -39,6 +39,32 @@ value clip off                                          44.0k / 22.0k / 39.4k
     (more, smaller updates: 72-133 iterations)
 RL Zoo (gamma .98, lambda .8, 10 epochs, mb 256, lr 1e-3) 51.2k / 74.2k / -
 =====================================================  ==========================
+
+Second sweep, 2026-11-25, around the chosen values: one process with 16 envs x 32 steps
+(the same 512-step batches), seeds 1-5, median steps to 450 (max in brackets). Nothing
+beat the defaults, so they stay:
+
+=======================================  ===============
+variant (one change from TUNED)           median (max)
+=======================================  ===============
+TUNED (chosen)                            23.0k (31.2k)
+7 epochs                                  20.5k (25.1k)
+10 epochs, minibatch 256                  33.8k (41.5k)
+4 epochs, minibatch 64                    25.1k (29.2k)
+lr 3e-3 / lr 2e-3                         24.6k / 25.1k
+lambda .95                                25.6k (28.2k)
+entropy .01                               24.1k (37.4k)
+clip .3                                   34.3k (49.7k)
+value loss weight 1.0                     23.6k (32.3k)
+hidden 32x32                              23.0k (31.2k)
+relu                                      30.7k (34.8k)
+32 envs x 16 steps per runner             31.2k (43.5k)
+=======================================  ===============
+
+7 epochs, the only one ahead there, lost on the README command itself (2 runners, seeds
+1-5: median 24.1k steps against 20.5k for TUNED: 18.4k / 17.9k / 20.5k / 23.0k / 31.7k).
+``--async`` (sampling one weights version behind) doubled the steps on seeds 1 and 3
+(38.9k, 42.5k), so the README command samples synchronously.
 """
 
 from __future__ import annotations
