@@ -93,7 +93,7 @@ def _killer(driver: psutil.Process, group_prefix: str, every_s: float, startup_k
             try:
                 title = " ".join(victim.cmdline())
                 os.kill(victim.pid, signal.SIGKILL)
-                kills.append((now - t0, victim.pid, title.split(".")[-1][:40]))
+                kills.append((now - t0, victim.pid, title.split(".")[-1].strip()[:40]))
             except (psutil.Error, ProcessLookupError):
                 continue
             next_at = now + every_s
@@ -193,7 +193,9 @@ def main() -> None:
                 f"{r['reached']}"
                 + (f" at {t450:.1f} s" if t450 is not None else "")
                 + f", process wall {r['wall_s']:.1f} s, {r['timesteps']} timesteps, "
-                f"restarts {r['restarts']}, kills {len(r['kills'])}{first_kill}, "
+                f"restarts {r['restarts']}, kills {len(r['kills'])} "
+                f"({sum(k[2].endswith('__init__') for k in r['kills'])} in __init__)"
+                f"{first_kill}, "
                 f"load average {r['load_before']:.1f} -> {r['load_at_end']:.1f}",
                 flush=True,
             )
