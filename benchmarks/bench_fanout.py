@@ -165,6 +165,12 @@ def main() -> None:
                 ray.shutdown()
         cluster = px.Cluster()
     where = f"{args.nodes} nodes" if args.nodes > 1 else "1 node"
+    # One-time costs (exporting each actor class, Ray's first leases) land on no side.
+    total_cpus = ray.cluster_resources().get("CPU", 0.0)
+    for cls in (RawNoop, BareActor):
+        _kill_raw(_launch_raw(cls, 2)[0], total_cpus)
+    _launch_group(cluster, 2, "bench_fanout_warmup")[0].shutdown()
+    _wait_cpus_free(total_cpus)
     rows = []
     for n in sizes:
         r = bench_size(cluster, n, args.repeats)

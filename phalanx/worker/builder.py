@@ -200,15 +200,21 @@ def pool_environ(
     return {n: None if e is None else {**e, **inherited} for n, e in known.items()}
 
 
-def pre_import_runtime_env(env: dict[str, str], node_id: str | None) -> dict[str, str]:
-    """The variables of ``env`` that must go into a Ray ``runtime_env`` on ``node_id``."""
-    pre = {k: v for k, v in env.items() if is_pre_import(k)}
+def pre_import_runtime_env(
+    env: dict[str, str], node_id: str | None, own_env_vars: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The variables of ``env`` that must go into a Ray ``runtime_env`` on ``node_id``.
+
+    ``own_env_vars``: those the actor's ``runtime_env`` already sets (they start with it).
+    """
+    pre = _pre_import_subset(env)
     if not pre:
         return {}
     pool = pool_environ([node_id])[node_id] if node_id else None
     if pool is None:
         return pre
-    return {k: v for k, v in pre.items() if pool.get(k) != v}
+    start = {**pool, **(own_env_vars or {})}
+    return {k: v for k, v in pre.items() if start.get(k) != v}
 
 
 def _bundle_node(placement_group: Any, bundle_index: int | None) -> str | None:
@@ -225,8 +231,9 @@ def _bundle_node(placement_group: Any, bundle_index: int | None) -> str | None:
 def _deferred(cls_or_fqn: Any) -> str | bytes:
     """The worker class as the host loads it after setting the environment.
 
-    A name stays a name; a class is pickled here exactly as Ray would pickle it, and unpickled by the host, so the modules it needs are imported after the
-    environment is set instead of while Ray unpickles the actor's arguments.
+    A name stays a name; a class is pickled here exactly as Ray would pickle it and
+    unpickled by the host, so the modules it needs are imported after the environment is
+    set instead of while Ray unpickles the actor's arguments.
     """
     if isinstance(cls_or_fqn, str):
         return cls_or_fqn
@@ -308,7 +315,7 @@ def _create_host(
     # processes lack need a runtime_env (see the module docstring).
     runtime_env = dict(options.pop("runtime_env", None) or {})
     node_id = node_id or _bundle_node(placement_group, placement_group_bundle_index)
-    pre = pre_import_runtime_env(env, node_id)
+    pre = pre_import_runtime_env(env, node_id, runtime_env.get("env_vars"))
     if pre:
         runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **pre}
     if placement_group is not None:

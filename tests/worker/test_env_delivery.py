@@ -12,7 +12,7 @@ import pytest
 import ray
 
 import phalanx as px
-from phalanx.worker.builder import is_pre_import
+from phalanx.worker.builder import is_pre_import, pool_environ, pre_import_runtime_env
 from tests.worker.import_env_worker import ImportTimeReader
 
 KEYS = ("PX_ENV_B", "PX_ENV_G", "PX_ENV_C", "RANK", "WORLD_SIZE", "LOCAL_RANK", "PHALANX_ENVTEST")
@@ -129,3 +129,21 @@ def test_variable_read_when_the_worker_module_is_imported(cluster):
         assert g.execute_on(0).at_import().wait(timeout=60) == ["set-by-group"]
     finally:
         g.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_pre_import_runtime_env_compares_with_what_the_process_starts_with(cluster):
+    node = ray.get_runtime_context().get_node_id()
+    pool = pool_environ([node])[node]
+    # conftest put PYTHONPATH in the environment before Ray started: the pool has it.
+    pp = os.environ["PYTHONPATH"]
+    assert pool is not None and pool.get("PYTHONPATH") == pp
+    assert pre_import_runtime_env({"PYTHONPATH": pp, "PX_ENV_G": "g"}, node) == {}
+    omp = str(int(pool.get("OMP_NUM_THREADS", "1")) + 6)
+    assert pre_import_runtime_env({"OMP_NUM_THREADS": omp}, node) == {"OMP_NUM_THREADS": omp}
+    # the actor's own runtime_env would start it with another value: send ours
+    assert pre_import_runtime_env({"PYTHONPATH": pp}, node, {"PYTHONPATH": "/elsewhere"}) == {
+        "PYTHONPATH": pp
+    }
+    # a node phalanx knows nothing of: every pre-import variable travels
+    assert pre_import_runtime_env({"PYTHONPATH": pp, "PX_ENV_G": "g"}, None) == {"PYTHONPATH": pp}
