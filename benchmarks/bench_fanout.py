@@ -4,12 +4,13 @@ For each size N:
 
 - no-op call to every worker: ``group.noop().wait()`` vs ``ray.get([a.noop.remote() ...])``
   on the *same* actors (``group.actors``), interleaved; goal <= 1.10x at every size;
-- launch: ``create_group().launch(...)`` until every worker answers vs creating the same
-  worker class as N raw Ray actors (``ray.remote(num_cpus=1)(Noop)``, one CPU each) until
-  every one answers; goal <= 1.2x. Measured raw, group, group, raw (each side's mean), so
-  neither side always finds Ray's pool of idle worker processes fuller. For reference the
-  launch of N bare Ray actors (a class that imports nothing of phalanx) is printed too:
-  that gap also holds what any ``phalanx.Worker`` subclass costs to import;
+- launch: ``create_group().launch(...)`` until every worker answers vs creating N bare
+  raw Ray actors (one CPU each, a class that imports nothing of phalanx) until every one
+  answers; goal <= 1.2x. Measured raw, group, group, raw (each side's mean), so neither
+  side always finds Ray's pool of idle worker processes fuller. Also printed: the launch
+  of the same worker class as N plain Ray actors (``ray.remote(num_cpus=1)(Noop)``); it
+  pays phalanx's import like the group, and Ray's set-up of every method a
+  ``phalanx.Worker`` inherits (the host actor exposes only the worker's public methods);
 - driver memory: growth of this process's RSS per worker, for the group and the raw actors.
 
 ``--nodes K`` runs the same on a ``ray.cluster_utils.Cluster`` of K local nodes (the group
@@ -86,15 +87,15 @@ def _launch_group(cluster: px.Cluster, n: int, name: str) -> tuple[px.WorkerGrou
 def bench_size(cluster: px.Cluster, n: int, repeats: int) -> dict[str, float]:
     total_cpus = ray.cluster_resources().get("CPU", 0.0)
     _wait_cpus_free(total_cpus)
-    raw_times, group_times = [], []
-    # raw, group, group, raw: the pool of idle worker processes Ray keeps is drained by
+    bare_times, group_times = [], []
+    # bare, group, group, bare: the pool of idle worker processes Ray keeps is drained by
     # whichever side runs first after a quiet spell.
     mem0 = _rss_mb()
-    raw, t = _launch_raw(RawNoop, n)
+    bare, t = _launch_raw(BareActor, n)
     raw_mem = (_rss_mb() - mem0) / n
-    raw_times.append(t)
-    _kill_raw(raw, total_cpus)
-    del raw
+    bare_times.append(t)
+    _kill_raw(bare, total_cpus)
+    del bare
     mem0 = _rss_mb()
     group, t = _launch_group(cluster, n, f"bench_fanout_{n}_a")
     group_mem = (_rss_mb() - mem0) / n
@@ -114,21 +115,21 @@ def bench_size(cluster: px.Cluster, n: int, repeats: int) -> dict[str, float]:
     )
     group.shutdown()
     _wait_cpus_free(total_cpus)
-    raw, t = _launch_raw(RawNoop, n)
-    raw_times.append(t)
-    _kill_raw(raw, total_cpus)
-    bare, bare_launch = _launch_raw(BareActor, n)
+    bare, t = _launch_raw(BareActor, n)
+    bare_times.append(t)
     _kill_raw(bare, total_cpus)
-    group_launch, raw_launch = statistics.mean(group_times), statistics.mean(raw_times)
+    same, same_launch = _launch_raw(RawNoop, n)
+    _kill_raw(same, total_cpus)
+    group_launch, raw_launch = statistics.mean(group_times), statistics.mean(bare_times)
     return {
         "call_phalanx_ms": t_call["phalanx"] * 1e3,
         "call_raw_ms": t_call["raw"] * 1e3,
         "call_ratio": t_call["phalanx"] / t_call["raw"],
         "launch_phalanx_s": group_launch,
         "launch_raw_s": raw_launch,
-        "launch_bare_s": bare_launch,
+        "launch_same_class_s": same_launch,
         "launch_ratio": group_launch / raw_launch,
-        "launch_ratio_bare": group_launch / bare_launch,
+        "launch_ratio_same_class": group_launch / same_launch,
         "driver_mb_per_worker_phalanx": group_mem,
         "driver_mb_per_worker_raw": raw_mem,
     }
@@ -179,9 +180,9 @@ def main() -> None:
             f"[{where}] {n:3d} workers: RATIO call {r['call_ratio']:.3f}x (goal <= 1.10x; "
             f"phalanx {r['call_phalanx_ms']:.2f} ms, raw Ray {r['call_raw_ms']:.2f} ms) | RATIO "
             f"launch {r['launch_ratio']:.2f}x (goal <= 1.2x; phalanx {r['launch_phalanx_s']:.2f} s, "
-            f"raw actors of the same class {r['launch_raw_s']:.2f} s; vs bare actors "
-            f"{r['launch_bare_s']:.2f} s: {r['launch_ratio_bare']:.2f}x) | driver RSS per worker "
-            f"phalanx {r['driver_mb_per_worker_phalanx']:.2f} MB, raw "
+            f"bare raw actors {r['launch_raw_s']:.2f} s; the worker class as plain Ray actors "
+            f"{r['launch_same_class_s']:.2f} s: {r['launch_ratio_same_class']:.2f}x) | driver RSS "
+            f"per worker phalanx {r['driver_mb_per_worker_phalanx']:.2f} MB, raw "
             f"{r['driver_mb_per_worker_raw']:.2f} MB",
             flush=True,
         )
