@@ -245,6 +245,9 @@ def _check_env(env: dict[str, str] | None, arg: str) -> dict[str, str]:
         return {}
     if not isinstance(env, dict):
         raise TypeError(f"{arg} must be a dict of str -> str, got {type(env).__name__}")
+    not_str = [k for k in env if not isinstance(k, str) or not k]
+    if not_str:
+        raise TypeError(f"{arg} keys must be non-empty str (variable names), got {not_str!r}")
     bad = sorted(set(env) & RANK_ENV_KEYS)
     if bad:
         raise ValueError(

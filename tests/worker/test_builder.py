@@ -70,6 +70,8 @@ def test_builder_bad_input():
         px.RayWorkerBuilder("NoDots")
     with pytest.raises(TypeError, match="ray_actor_class_fqn"):
         px.RayWorkerBuilder(42)
+    with pytest.raises(TypeError, match=r"env_vars keys must be non-empty str.*\[1\]"):
+        px.RayWorkerBuilder("tests.workers.Recorder").with_runtime_env(env_vars={1: "x"})
     with pytest.raises(ValueError, match="py_executable"):
         px.RayWorkerBuilder("a.B").with_runtime_env(py_executable="/no/such/python")
 
