@@ -241,6 +241,11 @@ def main() -> None:
               f"(start-up included): {med:.1f} s / {rmed:.1f} s = {ratio:.3f}x "
               f"(goal <= 0.3x: {'met' if ratio <= 0.3 and ok else 'missed'}; "
               f"load average at the end {os.getloadavg()[0]:.1f})")  # fmt: skip
+        paired = [a["t450"] / b["t450"] for a, b in zip(ours, rllib)
+                  if a["reached"] and b["reached"]]  # fmt: skip
+        if paired:  # each seed's pair ran back to back: less exposed to load drifting
+            print(f"RATIO per seed (phalanx / RLlib, back to back): "
+                  f"{', '.join(f'{x:.3f}' for x in paired)}; median {statistics.median(paired):.3f}x")  # fmt: skip
     else:
         lo, hi = RLLIB_ANCHOR_S
         print(f"RATIO vs the RLlib 2.60 anchor {lo:.0f}-{hi:.0f} s (not measured in this run; "
