@@ -6,38 +6,42 @@ use, so a worker process that does not touch them starts quickly.
 
 from __future__ import annotations
 
+from typing import Any
+
 from phalanx._base.address import WorkerAddress
 from phalanx._base.errors import GroupTimeoutError, WorkerDiedError, WorkerError
 from phalanx._base.lazy import lazy_exports
 from phalanx._base.timing import reduce_durations
-from phalanx.group.futures import GroupHandle, MultiWorkerFuture
-from phalanx.group.group import RayWorkerGroup, UnknownMethodError, WorkerGroup
-from phalanx.group.sharding import NamedSharding
-from phalanx.resources.cluster import Cluster, NodeInfo
-from phalanx.resources.placement import (
-    FlexiblePlacement,
-    NodePlacement,
-    PackedPlacement,
-    Placement,
-    WorkerSlot,
-)
-from phalanx.resources.strategies import (
-    FlexiblePlacementStrategy,
-    NodePlacementStrategy,
-    PackedPlacementStrategy,
-    PlacementError,
-    PlacementIndexError,
-    PlacementStrategy,
-    RankPlacement,
-)
-from phalanx.resources.virtual_cluster import RayVirtualCluster
-from phalanx.worker.builder import RayWorkerBuilder
-from phalanx.worker.worker import Worker, WorkerInfo
+from phalanx.worker.worker import Worker, WorkerInfo, register_group_factory
 
 __version__ = "0.1.0"
 
-# name -> module, imported lazily (these pull in torch).
+# name -> module, imported on first use. Every worker process imports this package (its
+# host lives in phalanx.worker), so only what a worker always needs is imported above:
+# the group, placement and data layers (numpy, torch) load when first named.
 _LAZY = {
+    "GroupHandle": "phalanx.group.futures",
+    "MultiWorkerFuture": "phalanx.group.futures",
+    "RayWorkerGroup": "phalanx.group.group",
+    "UnknownMethodError": "phalanx.group.group",
+    "WorkerGroup": "phalanx.group.group",
+    "NamedSharding": "phalanx.group.sharding",
+    "Cluster": "phalanx.resources.cluster",
+    "NodeInfo": "phalanx.resources.cluster",
+    "FlexiblePlacement": "phalanx.resources.placement",
+    "NodePlacement": "phalanx.resources.placement",
+    "PackedPlacement": "phalanx.resources.placement",
+    "Placement": "phalanx.resources.placement",
+    "WorkerSlot": "phalanx.resources.placement",
+    "FlexiblePlacementStrategy": "phalanx.resources.strategies",
+    "NodePlacementStrategy": "phalanx.resources.strategies",
+    "PackedPlacementStrategy": "phalanx.resources.strategies",
+    "PlacementError": "phalanx.resources.strategies",
+    "PlacementIndexError": "phalanx.resources.strategies",
+    "PlacementStrategy": "phalanx.resources.strategies",
+    "RankPlacement": "phalanx.resources.strategies",
+    "RayVirtualCluster": "phalanx.resources.virtual_cluster",
+    "RayWorkerBuilder": "phalanx.worker.builder",
     "BatchedDataDict": "phalanx.data",
     "Channel": "phalanx.comm.channel",
     "CollectiveGroup": "phalanx.comm.collective",
@@ -73,6 +77,17 @@ _LAZY = {
     "PPOConfig": "phalanx.algorithms.ppo",
 }
 
+
+def _create_group(**kwargs: Any) -> Any:
+    """``Worker.create_group``'s factory until the group layer is imported (which then
+    registers ``WorkerGroup`` itself)."""
+    import phalanx.group  # noqa: F401  (registers WorkerGroup)
+    from phalanx.group.group import WorkerGroup
+
+    return WorkerGroup(**kwargs)
+
+
+register_group_factory(_create_group)
 
 __getattr__ = lazy_exports(__name__, _LAZY)
 
