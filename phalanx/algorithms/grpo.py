@@ -37,6 +37,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from phalanx.algorithms.flags import name_the_flag
+
 TINY = "tiny"
 
 
@@ -911,6 +913,10 @@ def cli(argv: list[str]) -> int:
         return 0 if e.code in (0, None) else 1
     try:
         cfg.validate()
+    except (ValueError, TypeError) as e:
+        print(f"phalanx train grpo: error: {name_the_flag(str(e), GRPOConfig)}", file=sys.stderr)
+        return 1
+    try:
         result = train(cfg)
     except (ValueError, FileNotFoundError) as e:
         print(f"phalanx train grpo: error: {e}", file=sys.stderr)

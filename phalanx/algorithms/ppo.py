@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import numpy as np
 import tyro
 
+from phalanx.algorithms.flags import name_the_flag
 from phalanx.observe.breakdown import WallBreakdown, process_age_s
 
 if TYPE_CHECKING:
@@ -876,7 +877,7 @@ def cli(argv: list[str]) -> int:
         if cfg.name is None:
             cfg = replace(cfg, name=fresh_run_name(cfg.env, cfg.runs_dir))
     except (ValueError, TypeError) as e:
-        print(f"phalanx train ppo: error: {e}", file=sys.stderr)
+        print(f"phalanx train ppo: error: {name_the_flag(str(e), PPOConfig)}", file=sys.stderr)
         return 1
     started_s = process_age_s()  # interpreter start-up, imports and parsing
     times = WallBreakdown()

@@ -196,6 +196,10 @@ def test_cli_config_errors_name_the_key_and_the_file(tmp_path, capsys):
     assert "--resume needs --name" in capsys.readouterr().err
     assert main(["train", "ppo", "--name", "nope", "--runs-dir", str(tmp_path), "--resume"]) == 1
     assert f"no PPO checkpoint at {tmp_path / 'nope' / 'checkpoint.pt'}" in capsys.readouterr().err
+    # a bad value names the flags that set it, aliases included
+    assert main(["train", "ppo", "--lr", "-1", "--runs-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "learning_rate must be > 0, got -1.0 (flag --learning-rate/--lr)" in err
 
 
 @pytest.mark.timeout(60)
