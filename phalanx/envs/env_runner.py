@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,17 @@ def make_env(
 
 def spaces_of(env: gym.Env) -> tuple[gym.Space, gym.Space]:
     return env.observation_space, env.action_space
+
+
+def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A state dict of arrays or tensors as tensors, without copying.
+
+    Arrays from Ray's object store are read-only; torch warns that a tensor over one could
+    be written, but ``load_state_dict`` only reads them (it copies into the parameters).
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return {k: torch.as_tensor(v) for k, v in state.items()}
 
 
 class EnvRunner(Worker):
@@ -160,7 +172,7 @@ class EnvRunner(Worker):
         if not isinstance(policy, torch.nn.Module):
             raise TypeError(f"policy must be a torch.nn.Module, got {type(policy).__name__}")
         if policy_state is not None:
-            policy.load_state_dict({k: torch.as_tensor(v) for k, v in policy_state.items()})
+            policy.load_state_dict(_tensors(policy_state))
         self.policies[policy_id] = policy
         self._policy_specs[policy_id] = {
             "policy_cls": type(policy),
@@ -220,7 +232,7 @@ class EnvRunner(Worker):
     ) -> None:
         """Load ``{policy_id: state dict}`` (the local runner's way of receiving weights)."""
         for pid, sd in weights.items():
-            self.get_policy(pid).load_state_dict({k: torch.as_tensor(v) for k, v in sd.items()})
+            self.get_policy(pid).load_state_dict(_tensors(sd))
         if weights_version is not None:
             self._px_weights_version = int(weights_version)
 

@@ -29,6 +29,7 @@ from phalanx.envs import EnvRunner, EnvRunnerGroup, EnvRunnerGroupConfig
 from phalanx.envs.policy import ActorCritic
 from phalanx.group.fault import STARTUP_RESTART, WorkerHealth
 from tests.envs.faulty_env import make_cartpole_dying_in_init
+from tests.helpers import until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -58,15 +59,6 @@ def _names(prefix: str) -> list[str]:
         for a in ray.util.list_named_actors(all_namespaces=True)
         if a["name"].startswith(f"{prefix}:")
     )
-
-
-def _until(pred, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 def test_runners_killed_in_init_are_restarted_and_counted(cluster, tmp_path):
@@ -112,7 +104,7 @@ def test_runner_dying_in_every_init_fails_the_launch_naming_it(cluster, tmp_path
     assert "after 2 start-up restart(s), no restart left" in str(info.value)
     assert _inits(tmp_path, 2) == 3  # the first start and its 2 restarts
     assert time.monotonic() - t0 < 240
-    assert _until(lambda: _names("startup_doomed") == [], 20)
+    assert until(lambda: _names("startup_doomed") == [], 20)
 
 
 def test_start_up_restart_extends_the_launch_wait(cluster, tmp_path):
@@ -180,7 +172,7 @@ def test_sync_weights_gives_local_runners_views_and_restores_after_a_kill(cluste
         # runner 1 is killed; while it is out the learner moves on and syncs runner 2
         pid = g.foreach_env_runner(lambda w: os.getpid(), remote_worker_ids=[1])[0]
         os.kill(pid, signal.SIGKILL)
-        assert _until(lambda: g.remote_group.health()[0] != WorkerHealth.HEALTHY)
+        assert until(lambda: g.remote_group.health()[0] != WorkerHealth.HEALTHY)
         with torch.no_grad():
             for p in learner.parameters():
                 p.mul_(0.5).add_(0.25)
@@ -188,7 +180,7 @@ def test_sync_weights_gives_local_runners_views_and_restores_after_a_kill(cluste
         res = g.sync_weights(from_worker_or_learner_group=learner, timeout_seconds=None)
         assert res.applied == [1] and res.routes == {1: "shm_view"}
         back: list[int] = []
-        assert _until(lambda: back.extend(g.probe_unhealthy_env_runners()) or 1 in back, 120)
+        assert until(lambda: back.extend(g.probe_unhealthy_env_runners()) or 1 in back, 120)
         assert g.healthy_env_runner_ids() == [1, 2]
         assert g.foreach_env_runner(lambda w: os.getpid(), remote_worker_ids=[1])[0] != pid
         # the restarted runner has the current weights and version

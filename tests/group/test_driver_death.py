@@ -22,6 +22,7 @@ import pytest
 import ray
 
 from phalanx.resources.cluster import NAMESPACE
+from tests.helpers import until
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -31,10 +32,12 @@ _DRIVER = """
 import json, os, sys
 import ray
 import phalanx as px
+from tests.helpers import until
 from tests.workers import Recorder
 
 address, name, mode, ready = sys.argv[1:5]
 from phalanx.resources.cluster import NAMESPACE
+from tests.helpers import until
 ray.init(address=address, namespace=NAMESPACE)
 if mode == "class":
     g = Recorder.create_group("d").launch(px.Cluster(), px.NodePlacement(num_workers=2), name)
@@ -50,15 +53,6 @@ with open(ready + ".tmp", "w") as f:
 os.rename(ready + ".tmp", ready)
 sys.stdin.read()  # hold the group until killed
 """
-
-
-def _until(pred, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.05)
-    return pred()
 
 
 def _alive_actors(name: str) -> list[str]:
@@ -96,7 +90,7 @@ def test_killed_driver_leaves_no_group_actors(cluster, tmp_path, mode):
         cwd=ROOT,
     )
     try:
-        started = _until(lambda: os.path.exists(ready) or driver.poll() is not None, 90)
+        started = until(lambda: os.path.exists(ready) or driver.poll() is not None, 90)
         if not os.path.exists(ready):
             driver.kill()
             out = driver.communicate(timeout=20)[0].decode(errors="replace")
@@ -110,10 +104,10 @@ def test_killed_driver_leaves_no_group_actors(cluster, tmp_path, mode):
         t0 = time.monotonic()
         os.kill(driver.pid, signal.SIGKILL)
         assert driver.wait(timeout=20) == -signal.SIGKILL
-        assert _until(lambda: _alive_actors(name) == [], 30), _alive_actors(name)
+        assert until(lambda: _alive_actors(name) == [], 30), _alive_actors(name)
         gone_after = time.monotonic() - t0
         assert _alive_actors(name) == []
-        assert _until(lambda: not any(_process_alive(p) for p in pids), 30)
+        assert until(lambda: not any(_process_alive(p) for p in pids), 30)
         print(f"{mode}: group actors gone {gone_after:.2f}s after SIGKILL of the driver")
     finally:
         if driver.poll() is None:

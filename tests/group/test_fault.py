@@ -18,6 +18,7 @@ import ray
 
 import phalanx as px
 from phalanx.group.fault import WorkerHealth as H
+from tests.helpers import until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -111,18 +112,9 @@ def _kill(group, rank):
     os.kill(group.worker_metadata[rank]["pid"], signal.SIGKILL)
 
 
-def _until(pred, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def _started(d, *ranks):
     """Wait until each of ``ranks`` signalled that its call started (``slow_signal``)."""
-    return _until(lambda: all(os.path.exists(os.path.join(d, f"started{r}")) for r in ranks))
+    return until(lambda: all(os.path.exists(os.path.join(d, f"started{r}")) for r in ranks))
 
 
 def _transitions(group, rank):
@@ -266,13 +258,13 @@ def test_watchdog_prints_report(make_group, tmp_path, monkeypatch):
     g.set_watchdog(0.5, stream=out)
     g.noop().wait()
     g.hang_on(0)
-    assert _until(lambda: g.watchdog.reports)
+    assert until(lambda: g.watchdog.reports)
     report = g.watchdog.reports[0]
     assert report.pending_ranks == [0] and report.method == "hang_on"
     assert "stuck_in_sleep_forever" in out.getvalue()
     # A second stuck call gets its own report; the first is not reported again meanwhile.
     g.execute_on(1).hang_on(1)
-    assert _until(lambda: len(g.watchdog.reports) >= 2)
+    assert until(lambda: len(g.watchdog.reports) >= 2)
     assert [(r.method, r.pending_ranks) for r in g.watchdog.reports] == [
         ("hang_on", [0]),
         ("hang_on", [1]),
@@ -286,7 +278,7 @@ def test_ignore_failures_finishes_with_fewer_workers(make_group, tmp_path):
 
     g = make_group(3, px.RestartPolicy.never(ignore_failures=True))
     _kill(g, 1)
-    assert _until(lambda: g.health()[1] == H.DEAD)
+    assert until(lambda: g.health()[1] == H.DEAD)
     assert _transitions(g, 1) == [("healthy", "unhealthy"), ("unhealthy", "dead")]
     h = g.noop()
     assert h.wait(timeout=60) == [0, 2] and h.skipped == [1]
@@ -315,7 +307,7 @@ def test_raise_mode_names_the_rank(make_group):
     with pytest.raises(px.WorkerDiedError) as info:
         g.noop().wait(timeout=60)
     assert info.value.rank == 1 and "rank 1" in str(info.value)
-    assert _until(lambda: g.health()[1] == H.DEAD)
+    assert until(lambda: g.health()[1] == H.DEAD)
     with pytest.raises(px.WorkerDiedError, match="rank 1 is dead"):
         g.noop()
     assert g.execute_on(0).noop().wait() == [0]
@@ -328,7 +320,7 @@ def test_died_during_call_ignore_mode_keeps_the_rest(make_group, tmp_path):
     _kill(g, 2)
     assert h.wait(timeout=60) == [0, 1]
     assert h.skipped == [2]
-    assert _until(lambda: g.health()[2] == H.DEAD)
+    assert until(lambda: g.health()[2] == H.DEAD)
 
 
 def test_future_of_bare_refs_uses_the_group_collect_path(make_group, tmp_path):
@@ -339,7 +331,7 @@ def test_future_of_bare_refs_uses_the_group_collect_path(make_group, tmp_path):
     assert _started(tmp_path, 0, 1, 2)
     _kill(g, 2)
     assert px.MultiWorkerFuture(refs).get_results(g, timeout=60) == [0, 1]
-    assert _until(lambda: g.health()[2] == H.DEAD)
+    assert until(lambda: g.health()[2] == H.DEAD)
     refs = g.run_all_workers_single_data("fail")
     with pytest.raises(px.WorkerError) as info:  # an exception is raised even when ignoring
         px.MultiWorkerFuture(refs, called_workers=[0, 1]).get_results(g, timeout=60)
@@ -350,7 +342,7 @@ def test_sharded_dispatch_restarts_dead_member_first(make_group, tmp_path):
     g = make_group(2, px.RestartPolicy(), sharding=px.NamedSharding([[0, 1]], ["dp", "tp"]))
     g.register_state(None, {"value": 7})
     _kill(g, 1)
-    assert _until(lambda: g.health()[1] != H.HEALTHY or g.num_remote_worker_restarts() == 1)
+    assert until(lambda: g.health()[1] != H.HEALTHY or g.num_remote_worker_restarts() == 1)
     fut = g.run_all_workers_sharded_data("shard", data=["a", "b"], in_sharded_axes=["tp"])
     assert g.get_all_worker_results(fut) == [(0, "a"), (1, "b")]
     assert _inits(tmp_path, 1) == 2 and g.num_remote_worker_restarts() == 1
@@ -364,7 +356,7 @@ def test_sharded_dispatch_without_restart_raises(make_group):
         sharding=px.NamedSharding([[0, 1]], ["dp", "tp"]),
     )
     _kill(g, 0)
-    assert _until(lambda: g.health()[0] == H.DEAD)
+    assert until(lambda: g.health()[0] == H.DEAD)
     with pytest.raises(px.WorkerDiedError, match="rank 0"):
         g.run_all_workers_sharded_data("shard", data=["a", "b"], in_sharded_axes=["tp"])
 
@@ -372,10 +364,10 @@ def test_sharded_dispatch_without_restart_raises(make_group):
 def test_restart_limit_makes_worker_dead(make_group, tmp_path):
     g = make_group(2, px.RestartPolicy(max_restarts_per_worker=1))
     _kill(g, 0)
-    assert _until(lambda: g.num_remote_worker_restarts() == 1)
+    assert until(lambda: g.num_remote_worker_restarts() == 1)
     assert g.wait_healthy(60)
     _kill(g, 0)
-    assert _until(lambda: g.health()[0] == H.DEAD)
+    assert until(lambda: g.health()[0] == H.DEAD)
     assert _transitions(g, 0) == [*RESTARTED, ("healthy", "unhealthy"), ("unhealthy", "dead")]
     assert _inits(tmp_path, 0) == 2 and g.num_remote_worker_restarts() == 1
     assert g.probe_unhealthy_workers(timeout_seconds=5) == [0]  # the one earlier recovery
@@ -388,7 +380,7 @@ def test_failed_restore_marks_unhealthy_then_probe_recovers(make_group, tmp_path
     g = make_group(2, px.RestartPolicy(max_restarts_per_worker=1))
     g.register_state(1, {"value": 3, "poison": True})
     _kill(g, 1)
-    assert _until(
+    assert until(
         lambda: g.health()[1] == H.UNHEALTHY and "restore failed" in g.health_events()[-1].reason
     )
     assert g.healthy_worker_ids() == [0]
@@ -416,7 +408,7 @@ def test_weights_restored_after_restart(make_group):
     expected = float(sum(p.detach().sum() for p in model.parameters()))
     assert g.weights().wait() == [(sender.version, expected)] * 2
     _kill(g, 0)
-    assert _until(lambda: g.num_remote_worker_restarts() == 1)
+    assert until(lambda: g.num_remote_worker_restarts() == 1)
     assert g.wait_healthy(60)
     assert g.weights().wait() == [(sender.version, expected)] * 2
 
@@ -466,7 +458,7 @@ def test_async_requests_budget_and_fetch(make_group):
     got_b = g.fetch_ready_async_reqs(tags=["b"], timeout_seconds=30)
     assert got_b == [(1, 1)]
     got: list = []
-    assert _until(lambda: got.extend(g.fetch_ready_async_reqs(tags="a")) or len(got) == 2)
+    assert until(lambda: got.extend(g.fetch_ready_async_reqs(tags="a")) or len(got) == 2)
     assert sorted(got) == [(0, 0), (1, 1)]
     assert g.num_in_flight_async_reqs() == 0
     g.foreach_worker_async(lambda w: w.fail() if w.rank == 0 else w.rank, tag="c")
@@ -504,7 +496,7 @@ def test_nemo_face_isolated_builder_restarts(cluster, tmp_path, monkeypatch):
     g = px.RayWorkerGroup(vc, builder, name_prefix="fault_nemo", restart_policy=px.RestartPolicy())
     try:
         _kill(g, 0)
-        assert _until(lambda: g.num_remote_worker_restarts() == 1)
+        assert until(lambda: g.num_remote_worker_restarts() == 1)
         assert g.wait_healthy(60)
         assert _inits(tmp_path, 0) == 2 and _inits(tmp_path, 1) == 1
         assert g.worker_metadata[0]["name"] == "fault_nemo:0"

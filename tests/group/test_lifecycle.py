@@ -20,6 +20,7 @@ import ray
 import phalanx as px
 from phalanx.group.fault import FaultState
 from phalanx.group.fault import WorkerHealth as H
+from tests.helpers import until
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -70,15 +71,6 @@ class Gated(px.Worker):
             pass
 
 
-def _until(pred, timeout=60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def _path(d, name):
     return os.path.join(str(d), name)
 
@@ -124,7 +116,7 @@ def _kill_when_started(d, rank, n):
     """Kill incarnation ``n`` of ``rank`` as soon as its ``__init__`` started (a thread)."""
 
     def run():
-        if _until(lambda: os.path.exists(_path(d, f"rank{rank}.pid{n}")), 60):
+        if until(lambda: os.path.exists(_path(d, f"rank{rank}.pid{n}")), 60):
             os.kill(_pid(d, rank, n), signal.SIGKILL)
 
     t = threading.Thread(target=run, daemon=True)
@@ -154,7 +146,7 @@ def test_worker_killed_in_init_is_restarted_by_policy(cluster, tmp_path):
     with pytest.raises(px.WorkerError, match=r"init_never\[rank 1\]\.__init__\(\)"):
         _launch(cluster, d2, policy=px.RestartPolicy.never(), name="init_never")
     killer.join(10)
-    assert _until(lambda: _names("init_never") == [], 10)
+    assert until(lambda: _names("init_never") == [], 10)
 
 
 def test_probe_waits_for_a_restart_under_way(cluster, tmp_path):
@@ -162,7 +154,7 @@ def test_probe_waits_for_a_restart_under_way(cluster, tmp_path):
     try:
         _gate(tmp_path, 1, 2)  # the restarted rank 1 waits in __init__ until we open it
         os.kill(g.worker_metadata[1]["pid"], signal.SIGKILL)
-        assert _until(lambda: os.path.exists(_path(tmp_path, "rank1.pid2")))
+        assert until(lambda: os.path.exists(_path(tmp_path, "rank1.pid2")))
         assert g.health()[1] == H.RESTARTING
         os.remove(_path(tmp_path, "gate1.2"))
         assert g.probe_unhealthy_workers(timeout_seconds=30) == [1]
@@ -176,14 +168,14 @@ def test_shutdown_frees_a_restart_stuck_in_init(cluster, tmp_path):
     g = _launch(cluster, tmp_path, policy=px.RestartPolicy(), name="stuck_init")
     _gate(tmp_path, 1, 2)  # never opened: the restart stays in __init__
     os.kill(g.worker_metadata[1]["pid"], signal.SIGKILL)
-    assert _until(lambda: os.path.exists(_path(tmp_path, "rank1.pid2")))
+    assert until(lambda: os.path.exists(_path(tmp_path, "rank1.pid2")))
     stuck = _pid(tmp_path, 1, 2)
     assert _names("stuck_init") == ["stuck_init:0", "stuck_init:1"]
     t0 = time.monotonic()
     assert g.shutdown(timeout=5) is True
     assert time.monotonic() - t0 < 7
     assert _names("stuck_init") == []
-    assert _until(lambda: not _alive(stuck), 20)  # the restarted process is gone too
+    assert until(lambda: not _alive(stuck), 20)  # the restarted process is gone too
     # Calls after shutdown raise instead of returning nothing.
     with pytest.raises(RuntimeError, match="'stuck_init' is shut down"):
         g.call("noop")
@@ -198,14 +190,14 @@ def test_death_during_whole_group_call_is_reported_at_once(cluster, tmp_path):
     g = _launch(cluster, tmp_path, n=3, name="death_now")
     try:
         h = g.slow_signal(60)
-        assert _until(lambda: all(os.path.exists(_path(tmp_path, f"started{r}")) for r in range(3)))
+        assert until(lambda: all(os.path.exists(_path(tmp_path, f"started{r}")) for r in range(3)))
         t0 = time.monotonic()
         os.kill(g.worker_metadata[1]["pid"], signal.SIGKILL)
         with pytest.raises(px.WorkerDiedError) as info:
             h.wait(timeout=120)
         assert info.value.rank == 1 and info.value.method == "slow_signal"
         assert time.monotonic() - t0 < 15  # not after the other ranks' 60 s
-        assert _until(lambda: g.health()[1] == H.DEAD, 10)
+        assert until(lambda: g.health()[1] == H.DEAD, 10)
     finally:
         g.shutdown(timeout=10)
 
@@ -215,7 +207,7 @@ def test_bad_waits_and_ranks(cluster, tmp_path, monkeypatch):
     g = _launch(cluster, tmp_path, n=2, name="bad_waits")
     try:
         h = g.execute_on(0).slow_signal(30)
-        assert _until(lambda: os.path.exists(_path(tmp_path, "started0")))
+        assert until(lambda: os.path.exists(_path(tmp_path, "started0")))
         with pytest.raises(ValueError, match="timeout must be >= 0 or None, got -1"):
             h.wait(timeout=-1)
         with pytest.raises(TypeError, match="timeout must be a number"):
@@ -289,6 +281,6 @@ def test_restart_window_counts_recent_restarts_only():
     for fs in (windowed, lifetime):
         fs.reset(1, {0: 1})  # one restart already used
         assert not fs.can_restart(0) and fs.restart_attempts(0) == 1
-    assert _until(lambda: windowed.can_restart(0), 10)
+    assert until(lambda: windowed.can_restart(0), 10)
     assert windowed.restart_attempts(0) == 0
     assert not lifetime.can_restart(0) and lifetime.restart_attempts(0) == 1

@@ -19,6 +19,7 @@ from phalanx.llm.generation import HFGenerationWorker
 from phalanx.llm.policy import Policy
 from phalanx.llm.refit import Refitter
 from phalanx.llm.tiny_task import AdditionTask, encode_prompts
+from tests.helpers import shm_files
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -88,19 +89,7 @@ def _local_greedy(model_path, state, tokenizer, data):
 
 def _storage(worker):
     """(the /dev/shm files the model's tensors live in, how many tensors are private)."""
-    maps = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) >= 6 and parts[5].startswith("/dev/shm/"):
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                maps.append((lo, hi, parts[5]))
-    files, private = set(), 0
-    for t in worker.model.state_dict().values():
-        hit = {p for lo, hi, p in maps if lo <= t.data_ptr() < hi}
-        files |= hit
-        private += not hit
-    return files, private
+    return shm_files(worker.model.state_dict().values())
 
 
 def _storages(gen):

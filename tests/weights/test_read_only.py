@@ -10,6 +10,7 @@ import ray
 import torch
 
 import phalanx as px
+from tests.helpers import shm_files
 
 
 def make_model(width: int = 16) -> torch.nn.Module:
@@ -34,18 +35,7 @@ class Viewer(px.Worker):
 
     def shared_files(self) -> set[str]:
         """The files under /dev/shm that the model's tensors live in (empty: private)."""
-        maps = []
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) >= 6 and parts[5].startswith("/dev/shm/"):
-                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                    maps.append((lo, hi, parts[5]))
-        found = set()
-        for t in self.model.state_dict().values():
-            ptr = t.data_ptr()
-            found.update(p for lo, hi, p in maps if lo <= ptr < hi)
-        return found
+        return shm_files(self.model.state_dict().values())[0]
 
     def forward_twice(self, pause_s: float, started: str) -> tuple[float, float]:
         x = torch.ones(1, 16)
