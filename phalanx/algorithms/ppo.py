@@ -468,8 +468,8 @@ def start_ray(logical_cpus: int | None = None) -> None:
     embedded default). Ray pre-starts one idle worker process per slot as soon as this
     driver connects, and each imports torch and gymnasium before it takes work, so the
     runners find a process with their heavy imports done instead of starting one after
-    Ray is up; ``train`` therefore asks for just the runners' slots plus one (the group's
-    probe of the pool's environment runs in that one). Workers run at nice 0, not Ray's
+    Ray is up; ``train`` therefore asks for just the runners' slots plus one spare.
+    Workers run at nice 0, not Ray's
     15: on a small, shared machine the runners are this job's work. Called on the main
     thread: Ray's daemons die with the thread that started them.
     """
