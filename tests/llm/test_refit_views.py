@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from phalanx.llm.generation import HFGenerationWorker
 from phalanx.llm.policy import Policy
 from phalanx.llm.refit import Refitter
 from phalanx.llm.tiny_task import AdditionTask, encode_prompts
-from tests.helpers import shm_files
+from tests.helpers import shm_files, until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -143,10 +142,7 @@ def _version(worker):
 
 
 def _wait_file(path):
-    deadline = time.monotonic() + 60
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.01)
+    assert until(lambda: os.path.exists(path), 60, 0.01), f"{path} never appeared"
 
 
 def _generate_across_refit(worker, data, started, go):
@@ -160,10 +156,7 @@ def _generate_across_refit(worker, data, started, go):
 
 
 def _wait_pending(sender):
-    deadline = time.monotonic() + 60
-    while not sender.pending:
-        assert time.monotonic() < deadline, "the refit never reached its send"
-        time.sleep(0.01)
+    assert until(lambda: sender.pending, 60, 0.01), "the refit never reached its send"
 
 
 def test_a_generator_busy_during_a_refit_finishes_on_its_version(
@@ -222,9 +215,8 @@ def test_killed_generator_is_restarted_and_refitted(setup, model_path, tokenizer
 
     # Killed between refits: restarted, and its parameters view the newest buffer again.
     ray.kill(gen.actors[1], no_restart=True)
-    deadline = time.monotonic() + 30
-    while gen.health()[1] == px.WorkerHealth.HEALTHY and time.monotonic() < deadline:
-        time.sleep(0.01)  # the group's monitor sees the death within milliseconds
+    # the group's monitor sees the death within milliseconds
+    until(lambda: gen.health()[1] != px.WorkerHealth.HEALTHY, 30, 0.01)
     outs = gen.generate(data, greedy=True).wait(120)  # waits for the restart and its refit
     assert gen.num_remote_worker_restarts() == restarts + 1
     for out in outs:
@@ -255,10 +247,9 @@ def test_killed_generator_is_restarted_and_refitted(setup, model_path, tokenizer
     assert len(errors) == 1 and "worker died" in errors[0], errors
     assert written not in refitter.sender.shared_buffers  # retired
     state = policy.state_dict()
-    deadline = time.monotonic() + 120
-    while gen.num_remote_worker_restarts() < restarts + 2:
-        assert time.monotonic() < deadline, "rank 1 was not restarted"
-        time.sleep(0.05)
+    assert until(lambda: gen.num_remote_worker_restarts() >= restarts + 2, 120, 0.05), (
+        "rank 1 was not restarted"
+    )
     assert gen.execute_on(1).is_alive().wait(120) == [True]  # restarted and restored
     assert gen.num_remote_worker_restarts() == restarts + 2
     for sd in gen.get_state_dict().wait(60):
