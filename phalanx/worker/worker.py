@@ -18,13 +18,15 @@ import os
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phalanx._base.address import WorkerAddress
 from phalanx._base.timing import TimerRecorder, timer
 from phalanx.comm.mixin import CommMixin
-from phalanx.resources.placement import WorkerSlot
 from phalanx.worker.weights_state import WeightsReceiverMixin
+
+if TYPE_CHECKING:  # a worker process need not import the placement layer
+    from phalanx.resources.placement import WorkerSlot
 
 
 @dataclass
