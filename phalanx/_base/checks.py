@@ -1,0 +1,100 @@
+"""Argument checks shared by every layer: one rule per kind of value.
+
+The rule, everywhere in phalanx:
+
+- a value of the wrong *type* raises ``TypeError`` naming the argument and the type given;
+- a value of the right type but out of range raises ``ValueError`` naming the argument,
+  the bound and the value given.
+
+``bool`` is never accepted where a number is expected (``True`` is not a timeout of one
+second), numpy integers and floats are accepted where Python's are.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not _is_bool(value)
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool) or type(value).__name__ == "bool_"
+
+
+def check_int(value: Any, arg: str, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as an ``int`` within ``[minimum, maximum]`` (each bound optional)."""
+    if not _is_int(value):
+        raise TypeError(f"{arg} must be an int, got {type(value).__name__} ({value!r})")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{arg} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{arg} must be <= {maximum}, got {value}")
+    return value
+
+
+def check_number(value: Any, arg: str, minimum: float | None = None) -> float:
+    """``value`` as a ``float`` (an int or float, not a bool), at least ``minimum``."""
+    if _is_bool(value) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{arg} must be a number, got {type(value).__name__} ({value!r})")
+    value = float(value)
+    if value != value:
+        raise ValueError(f"{arg} must be a number, got nan")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{arg} must be >= {minimum}, got {value:g}")
+    return value
+
+
+def check_timeout(value: Any, arg: str = "timeout") -> float | None:
+    """``None`` (wait without a bound) or a number of seconds ``>= 0``."""
+    if value is None:
+        return None
+    if _is_bool(value) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{arg} must be a number of seconds or None, got {type(value).__name__} ({value!r})"
+        )
+    if not value >= 0:
+        raise ValueError(f"{arg} must be >= 0 or None, got {value!r}")
+    return float(value)
+
+
+def check_rank(value: Any, world_size: int, arg: str = "rank") -> int:
+    """A rank of a group of ``world_size`` workers: an int in ``[0, world_size)``."""
+    rank = check_int(value, arg, minimum=0)
+    if rank >= world_size:
+        raise ValueError(f"{arg} must be < world size {world_size}, got {rank}")
+    return rank
+
+
+def check_ranks(values: Iterable[Any], world_size: int, arg: str = "ranks") -> list[int]:
+    """A list of distinct ranks of a group of ``world_size`` workers, in the given order."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{arg} must be a list of ints, got {type(values).__name__}")
+    ranks = [check_rank(v, world_size, arg) for v in values]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"{arg} has repeated ranks: {ranks}")
+    return ranks
+
+
+def check_name(value: Any, arg: str) -> str:
+    """A non-empty string (group, channel, method or route names)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{arg} must be a str, got {type(value).__name__} ({value!r})")
+    if not value:
+        raise ValueError(f"{arg} must be a non-empty string")
+    return value
+
+
+def check_tags(value: Any, arg: str = "tags") -> set[str] | None:
+    """``None`` (every tag), one tag, or a list/tuple/set of tags, as a set."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return {value}
+    if isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(t, str) for t in value):
+        return set(value)
+    raise TypeError(f"{arg} must be a str, a list of str or None, got {value!r}")
