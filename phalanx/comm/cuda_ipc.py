@@ -8,7 +8,10 @@ done); ``share_copy`` hands out a private copy the reader owns.
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+from phalanx.comm.errors import PeerDiedError
 
 
 def gpu_uuid(device: Any) -> str:
@@ -23,7 +26,7 @@ def share(t: Any) -> dict[str, Any]:
     from torch.multiprocessing.reductions import reduce_tensor
 
     fn, args = reduce_tensor(t)
-    return {"fn": fn, "args": args, "uuid": gpu_uuid(t.device)}
+    return {"fn": fn, "args": args, "uuid": gpu_uuid(t.device), "pid": os.getpid()}
 
 
 def share_copy(t: Any) -> dict[str, Any]:
@@ -31,15 +34,42 @@ def share_copy(t: Any) -> dict[str, Any]:
     return share(t.clone())
 
 
+def _sender_gone(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, owned by another user
+        return False
+    return False
+
+
 def open_handle(handle: dict[str, Any]) -> Any:
-    """The shared tensor, mapped on this process's index of the same GPU."""
+    """The shared tensor, mapped on this process's index of the same GPU.
+
+    A handle whose sending process has exited cannot be opened (CUDA frees the memory with
+    its owner): that raises ``PeerDiedError`` naming the process, not CUDA's own error.
+    """
     import torch
 
+    pid = handle.get("pid")
+    gone = PeerDiedError(
+        f"pid {pid}", f"cuda_ipc: the process {pid} that shared this tensor is gone"
+    )
+    if _sender_gone(pid):
+        raise gone
     for i in range(torch.cuda.device_count()):
         if gpu_uuid(i) == handle["uuid"]:
             args = list(handle["args"])
             args[6] = i  # storage_device: this process's index of that GPU
-            return handle["fn"](*args)
+            try:
+                return handle["fn"](*args)
+            except RuntimeError as e:
+                if _sender_gone(pid):
+                    raise gone from e
+                raise
     raise RuntimeError(
         f"cuda_ipc: GPU {handle['uuid']} is not visible to this process; use a transport "
         "that crosses GPUs (collective or object store)"
