@@ -14,7 +14,10 @@
    on an idle node (``actor start`` baseline), as a ratio. Then the same kills on a Ray
    whose worker processes preload torch and gymnasium (``_system_config=
    {"preload_python_modules": ...}``, as ``phalanx train ppo`` starts its Ray): the
-   ratio of the two restart times.
+   ratio of the two restart times. Last, kill -> back in service with a hot standby
+   runner (``num_standby_env_runners=1``: a pre-started runner takes over the killed
+   runner's id, state and weights) against the cold restart, in one run (``--standby``
+   runs only that).
 """
 
 from __future__ import annotations
@@ -255,16 +258,75 @@ def env_runner_preload(rounds: int) -> None:
     )
 
 
+def _kill_to_service(g, rounds: int) -> list[float]:
+    """Kill the process serving runner 1, ``rounds`` times: seconds until a probe that
+    waits for nothing (as every ``sample`` round does) reports runner 1 back."""
+    out = []
+    for i in range(rounds):
+        g.sample(num_timesteps=8)
+        pid = g.foreach_env_runner(lambda w: os.getpid(), remote_worker_ids=[1])[0]
+        t0 = time.perf_counter()
+        os.kill(pid, signal.SIGKILL)
+        back: list[int] = []
+        deadline = time.monotonic() + 300
+        while 1 not in back and time.monotonic() < deadline:
+            back += g.probe_unhealthy_workers(timeout_seconds=1e-3)
+            time.sleep(0.005)  # poll, do not spin: the cores are the runners' and Ray's
+        if 1 not in back:
+            raise RuntimeError(f"round {i}: runner 1 not back in service")
+        out.append(time.perf_counter() - t0)
+        deadline = time.monotonic() + 300  # every runner and standby up before the next kill
+        while time.monotonic() < deadline and (
+            g.num_healthy_remote_env_runners() < 2
+            or g.num_healthy_standby_env_runners() < g.num_standby_env_runners()
+        ):
+            g.probe_unhealthy_workers(timeout_seconds=1.0)
+    return out
+
+
+def env_runner_standby(rounds: int) -> None:
+    """Kill -> back in service with a hot standby runner vs a cold restart, one Ray."""
+    from phalanx.envs import EnvRunnerGroup, EnvRunnerGroupConfig
+
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = px.Cluster(num_cpus=8)
+    res = {}
+    for standby in (0, 1):
+        cfg = EnvRunnerGroupConfig(
+            env="CartPole-v1", num_envs_per_env_runner=1, seed=0, num_standby_env_runners=standby
+        )
+        g = EnvRunnerGroup(
+            config=cfg, num_env_runners=2, local_env_runner=False, cluster=cluster,
+            name=f"bench_standby_{standby}",
+        )  # fmt: skip
+        g.sync_weights(from_worker_or_learner_group=g.foreach_env_runner("get_weights")[0],
+                       timeout_seconds=None)  # fmt: skip
+        res[standby] = _kill_to_service(g, rounds)
+        g.stop()
+    cold, hot = statistics.median(res[0]), statistics.median(res[1])
+    print(f"env runner kill -> back in service, median of {rounds}: cold restart {cold:.3f} s "
+          f"(max {max(res[0]):.3f}), hot standby {hot:.3f} s (max {max(res[1]):.3f}); "
+          f"RATIO standby / cold {hot / cold:.3f}x (goal: standby <= 1 s)")  # fmt: skip
+    ray.shutdown()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--env-runners", action="store_true", help="only the env runner breakdown")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--standby", action="store_true",
+                    help="only hot standby vs cold restart of an env runner")  # fmt: skip
     args = ap.parse_args()
+    if args.standby:
+        env_runner_standby(args.rounds)
+        return
     if not args.env_runners:
         cluster = px.Cluster(num_cpus=32)
         recovery(cluster)
         overhead(cluster)
     env_runner_preload(args.rounds)
+    env_runner_standby(args.rounds)
 
 
 if __name__ == "__main__":

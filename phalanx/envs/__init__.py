@@ -1,36 +1,20 @@
-"""Layer 7: env runners on gymnasium and their fault-tolerant group (RLlib's names)."""
+"""Layer 7: env runners on gymnasium and their fault-tolerant group (RLlib's names).
+
+Names are imported on first use (the runners' modules import torch)."""
 
 from __future__ import annotations
 
-from phalanx.envs.config import DEFAULT_POLICY_ID, EnvContext, EnvRunnerGroupConfig
+from phalanx._base.lazy import lazy_exports
 
-__all__ = [
-    "DEFAULT_POLICY_ID",
-    "ActorCritic",
-    "EnvContext",
-    "EnvRunner",
-    "EnvRunnerGroup",
-    "EnvRunnerGroupConfig",
-    "RunningMeanStd",
-]
-
-
-def __getattr__(name: str):
-    # torch-heavy modules load on first use
-    if name == "EnvRunner":
-        from phalanx.envs.env_runner import EnvRunner
-
-        return EnvRunner
-    if name == "EnvRunnerGroup":
-        from phalanx.envs.env_runner_group import EnvRunnerGroup
-
-        return EnvRunnerGroup
-    if name == "ActorCritic":
-        from phalanx.envs.policy import ActorCritic
-
-        return ActorCritic
-    if name == "RunningMeanStd":
-        from phalanx.envs.normalize import RunningMeanStd
-
-        return RunningMeanStd
-    raise AttributeError(f"module 'phalanx.envs' has no attribute {name!r}")
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "DEFAULT_POLICY_ID": ".config",
+        "EnvContext": ".config",
+        "EnvRunnerGroupConfig": ".config",
+        "EnvRunner": ".env_runner",
+        "EnvRunnerGroup": ".env_runner_group",
+        "ActorCritic": ".policy",
+        "RunningMeanStd": ".normalize",
+    },
+)

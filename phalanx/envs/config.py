@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from phalanx._base.checks import check_int, check_number
+
 DEFAULT_POLICY_ID = "default_policy"
 
 
@@ -38,6 +40,11 @@ class EnvRunnerGroupConfig:
     env raised, its process died - takes it out of service and drops its result.
         num_env_runners: remote runner processes (0: sample on the local runner only).
         num_cpus_per_env_runner: logical CPUs each runner reserves in Ray (1).
+        num_standby_env_runners: hot standby runner processes started beside the
+            ``num_env_runners`` (each reserves ``num_cpus_per_env_runner``); a standby
+            takes over the id, state and weights of a runner that fails, in one call
+            instead of a new process, and the failed runner's restarted process becomes
+            a standby (0: off; see :mod:`phalanx.envs.runner_standby`).
         restart_failed_env_runners: replace a failed runner's process (its env raised
             or it died) at once; the call it failed in goes on without it and it is back
             in service at the next probe (``sample`` probes every round) (True).
@@ -55,6 +62,10 @@ class EnvRunnerGroupConfig:
         sample_timeout_s: how long a ``sample`` round waits; a runner still sampling then
             loses its batch for the round and is taken out of service, and restarted if
             ``restart_failed_env_runners``; a stall never raises (60 s).
+        max_consecutive_env_runner_failures: a runner that fails (raises, dies or
+            stalls in) this many ``sample`` rounds in a row stops the run with an error
+            naming it and its last error, instead of restarting forever (3; None: no
+            limit).
     """
 
     env: str | None = None
@@ -63,6 +74,7 @@ class EnvRunnerGroupConfig:
     num_envs_per_env_runner: int = 1
     rollout_fragment_length: int = 128
     num_cpus_per_env_runner: float = 1.0
+    num_standby_env_runners: int = 0
     normalize_observations: bool = False
     seed: int | None = None
     explore: bool = True
@@ -75,43 +87,38 @@ class EnvRunnerGroupConfig:
     max_requests_in_flight_per_env_runner: int = 1
     ignore_env_runner_failures: bool = False
     sample_timeout_s: float = 60.0
+    max_consecutive_env_runner_failures: int | None = 3
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
-        """Raise ``ValueError``/``TypeError`` naming the first bad option."""
-        for name in (
-            "num_env_runners",
-            "num_envs_per_env_runner",
-            "rollout_fragment_length",
-            "max_num_env_runner_restarts",
-            "max_requests_in_flight_per_env_runner",
-        ):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name} must be an int, got {v!r}")
-        if self.num_env_runners < 0:
-            raise ValueError(f"num_env_runners must be >= 0, got {self.num_env_runners}")
+        """Raise ``ValueError``/``TypeError`` naming the first bad option (done when the
+        config is constructed; call again after changing a field in place)."""
+        check_int(self.num_env_runners, "num_env_runners", minimum=0)
+        check_int(self.num_standby_env_runners, "num_standby_env_runners", minimum=0)
         for name in (
             "num_envs_per_env_runner",
             "rollout_fragment_length",
             "max_requests_in_flight_per_env_runner",
         ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_num_env_runner_restarts < 0:
-            raise ValueError(
-                f"max_num_env_runner_restarts must be >= 0, got {self.max_num_env_runner_restarts}"
+            check_int(getattr(self, name), name, minimum=1)
+        check_int(self.max_num_env_runner_restarts, "max_num_env_runner_restarts", minimum=0)
+        if self.max_consecutive_env_runner_failures is not None:
+            check_int(
+                self.max_consecutive_env_runner_failures,
+                "max_consecutive_env_runner_failures",
+                minimum=1,
             )
-        for name, positive in (
-            ("num_cpus_per_env_runner", False),
-            ("delay_between_env_runner_restarts_s", False),
-            ("env_runner_health_probe_timeout_s", True),
-            ("sample_timeout_s", True),
-        ):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise TypeError(f"{name} must be a number, got {v!r}")
-            if v < 0 or (positive and v == 0):
-                raise ValueError(f"{name} must be {'> 0' if positive else '>= 0'}, got {v}")
+        check_number(self.num_cpus_per_env_runner, "num_cpus_per_env_runner", minimum=0)
+        check_number(
+            self.delay_between_env_runner_restarts_s,
+            "delay_between_env_runner_restarts_s",
+            minimum=0,
+        )
+        for name in ("env_runner_health_probe_timeout_s", "sample_timeout_s"):
+            if check_number(getattr(self, name), name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in (
             "normalize_observations",
             "explore",
@@ -122,16 +129,11 @@ class EnvRunnerGroupConfig:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.env is not None and not isinstance(self.env, str):
             raise TypeError(f"env must be a gymnasium env id (str) or None, got {self.env!r}")
-        if not isinstance(self.env_config, dict):
-            raise TypeError(f"env_config must be a dict, got {type(self.env_config).__name__}")
-        if not isinstance(self.policy_config, dict):
-            raise TypeError(
-                f"policy_config must be a dict, got {type(self.policy_config).__name__}"
-            )
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int)
-        ):
-            raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+        for name in ("env_config", "policy_config"):
+            if not isinstance(getattr(self, name), dict):
+                raise TypeError(f"{name} must be a dict, got {type(getattr(self, name)).__name__}")
+        if self.seed is not None:
+            check_int(self.seed, "seed")
         if self.policies_to_train is not None and not isinstance(
             self.policies_to_train, (list, tuple, set)
         ):

@@ -10,10 +10,16 @@ Truncation: the vector env resets a finished sub-env in the same step
 episode's first one. The runner evaluates the value of the *final* observation for those
 steps and returns it as ``final_values``; a learner adds ``gamma * final_values`` to the
 reward of truncated (not terminated) steps, which bootstraps the cut-off return.
+
+Box actions: the batch keeps each action as the policy drew it (its ``logp`` is that
+value's), and the env gets it clipped to the action space's bounds (CleanRL's
+``ClipAction``); nothing is rescaled, so the policy's Gaussian works in the bounds' own
+units (MuJoCo's are [-1, 1]).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import time
 import warnings
@@ -23,8 +29,10 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 import torch
+from gymnasium.envs.registration import load_env_creator
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
+from phalanx._base.checks import check_int
 from phalanx.envs.config import DEFAULT_POLICY_ID, EnvContext, EnvRunnerGroupConfig
 from phalanx.envs.normalize import RunningMeanStd
 from phalanx.envs.policy import ActorCritic
@@ -33,12 +41,53 @@ from phalanx.worker.worker import Worker
 EnvCreator = Callable[[EnvContext], gym.Env]
 
 
+# Env id namespaces registered by a package that is not installed with gymnasium.
+_NAMESPACE_EXTRAS = {"ALE": 'pip install "gymnasium[atari]" (ale-py)'}
+
+
 def check_env_id(env_id: str) -> None:
-    """``ValueError`` naming ``env`` if gymnasium does not know ``env_id``."""
+    """``ValueError`` naming ``env`` if gymnasium cannot make ``env_id``.
+
+    ``module:EnvId`` (gymnasium's form) imports ``module`` first, which registers the
+    id. An id whose extra is not installed (MuJoCo, Box2D, Atari) names the extra.
+    """
+    module, _, name = env_id.rpartition(":")
+    if module:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise ValueError(f"env: cannot import {module!r} for {env_id!r} ({e})") from None
     try:
-        gym.spec(env_id)
+        spec = gym.spec(name)
+    except gym.error.NamespaceNotFound as e:
+        extra = _NAMESPACE_EXTRAS.get(name.split("/")[0])
+        hint = f"; install it with {extra}" if extra else ""
+        raise ValueError(f"env: unknown gymnasium env id {env_id!r} ({e}){hint}") from None
     except gym.error.Error as e:
         raise ValueError(f"env: unknown gymnasium env id {env_id!r} ({e})") from None
+    if isinstance(spec.entry_point, str):
+        try:
+            load_env_creator(spec.entry_point)
+        except gym.error.DependencyNotInstalled as e:
+            raise ValueError(f"env: {env_id!r} needs an extra that is not installed: {e}") from None
+
+
+def check_spaces(observation_space: gym.Space, action_space: gym.Space) -> None:
+    """``ValueError`` (before any runner starts) if the default policy, an MLP on a Box
+    observation with a Discrete or Box action, cannot handle the env's spaces."""
+    if not isinstance(observation_space, gym.spaces.Box):
+        raise ValueError(
+            f"env: observation_space {observation_space} is a "
+            f"{type(observation_space).__name__} space; the default policy (ActorCritic) "
+            "needs a Box: wrap the env in gymnasium.wrappers.FlattenObservation (in an "
+            "env_creator) or give a default_policy_class that handles it"
+        )
+    if not isinstance(action_space, (gym.spaces.Discrete, gym.spaces.Box)):
+        raise ValueError(
+            f"env: action_space {action_space} is a {type(action_space).__name__} space; "
+            "the default policy (ActorCritic) needs a Discrete or Box action space "
+            "(give a default_policy_class that handles it)"
+        )
 
 
 def make_env(
@@ -96,23 +145,11 @@ class EnvRunner(Worker):
         self.config = config
         self.worker_index = self.rank + 1 if worker_index is None else worker_index
         self._env_creator = env_creator
+        self._validate_env = validate_env
         n = config.num_envs_per_env_runner
-        self._contexts = [
-            EnvContext(
-                config.env_config,
-                worker_index=self.worker_index,
-                vector_index=i,
-                num_workers=config.num_env_runners,
-                remote=self.worker_index > 0,
-            )
-            for i in range(n)
-        ]
-        fns = [self._env_fn(ctx, validate_env) for ctx in self._contexts]
-        self.env = SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+        self._build_envs(recreated=False)
         self.observation_space = self.env.single_observation_space
         self.action_space = self.env.single_action_space
-        if config.seed is not None:
-            torch.manual_seed(config.seed + self.worker_index)
         self.default_policy_class = default_policy_class or ActorCritic
         self.policies: dict[str, torch.nn.Module] = {}
         self.policies_to_train: set[str] | None = (
@@ -132,16 +169,51 @@ class EnvRunner(Worker):
         self.num_env_steps_sampled = 0
         self.global_vars: dict[str, Any] = {}  # set by EnvRunnerGroup.sync_weights(global_vars=...)
 
-    def _env_fn(
-        self, ctx: EnvContext, validate_env: Callable[[gym.Env], None] | None
-    ) -> Callable[[], gym.Env]:
+    def _build_envs(self, recreated: bool) -> None:
+        """The vector env of this runner's ``worker_index``; seeds torch for it."""
+        self._contexts = [
+            EnvContext(
+                self.config.env_config,
+                worker_index=self.worker_index,
+                vector_index=i,
+                num_workers=self.config.num_env_runners,
+                remote=self.worker_index > 0,
+                recreated_worker=recreated,
+            )
+            for i in range(self.config.num_envs_per_env_runner)
+        ]
+        fns = [self._env_fn(ctx) for ctx in self._contexts]
+        self.env = SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+        if self.config.seed is not None:
+            torch.manual_seed(self.config.seed + self.worker_index)
+
+    def _env_fn(self, ctx: EnvContext) -> Callable[[], gym.Env]:
         def make() -> gym.Env:
             env = make_env(self.config, self._env_creator, ctx)
-            if validate_env is not None:
-                validate_env(env)
+            if self._validate_env is not None:
+                self._validate_env(env)
             return env
 
         return make
+
+    def take_over(self, worker_index: int, state: dict[str, Any]) -> int:
+        """Become runner ``worker_index`` in place of a failed one (a standby runner's
+        take-over): envs rebuilt for that index (``recreated_worker``), ``state`` set as
+        after a restart; episodes start afresh. Returns the weights version it holds."""
+        check_int(worker_index, "worker_index", minimum=1)
+        self.env.close()
+        self.worker_index = worker_index
+        self._build_envs(recreated=True)
+        spaces = (self.env.single_observation_space, self.env.single_action_space)
+        if spaces != (self.observation_space, self.action_space):
+            raise ValueError(
+                f"take_over: env runner {worker_index}'s envs have spaces {spaces}, this "
+                f"runner's policies were built for {(self.observation_space, self.action_space)}"
+            )
+        self.set_state(state)
+        self._needs_reset = True
+        self._seeded = False
+        return self.weights_version
 
     # -- policies -----------------------------------------------------------------------
     def weights_module(self) -> torch.nn.Module:
@@ -181,6 +253,11 @@ class EnvRunner(Worker):
             "config": dict(config or {}),
         }
         return policy
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The default policy's module (RLlib's ``EnvRunner.module``)."""
+        return self.policies[DEFAULT_POLICY_ID]
 
     def remove_policy(self, policy_id: str) -> None:
         if policy_id == DEFAULT_POLICY_ID:
@@ -266,7 +343,18 @@ class EnvRunner(Worker):
         self._needs_reset = False
 
     # -- connector state ----------------------------------------------------------------
+    def _check_finite(self, obs: np.ndarray) -> None:
+        """Observations enter the batch here: a NaN or inf stops the runner, naming it."""
+        if obs.dtype.kind == "f" and not np.isfinite(obs).all():
+            bad = int(np.flatnonzero(~np.isfinite(obs).reshape(len(obs), -1).all(axis=1))[0])
+            env_id = self.config.env or getattr(self.env.envs[bad].spec, "id", "env_creator")
+            raise ValueError(
+                f"env {env_id}: non-finite observation from sub-env {bad} of env runner "
+                f"{self.worker_index}: {obs[bad]!r}"
+            )
+
     def _normalize(self, obs: np.ndarray, update: bool) -> np.ndarray:
+        self._check_finite(obs)
         if self._obs_rms is None:
             return np.asarray(obs, np.float32)
         if update and self._update_norm:
@@ -321,6 +409,8 @@ class EnvRunner(Worker):
         self.set_connector_state(state.get("connector") or {})
         if "num_env_steps_sampled" in state:
             self.num_env_steps_sampled = int(state["num_env_steps_sampled"])
+        if "global_vars" in state:
+            self.global_vars = dict(state["global_vars"])
 
     def ping(self) -> str:
         """``"pong"``: the health probe. It queues behind a running call, so a runner stuck
@@ -355,8 +445,8 @@ class EnvRunner(Worker):
         if num_timesteps is not None and num_episodes is not None:
             raise ValueError("give num_timesteps or num_episodes, not both")
         for name, v in (("num_timesteps", num_timesteps), ("num_episodes", num_episodes)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            if v is not None:
+                check_int(v, name, minimum=1)
         policy = self.get_policy(policy_id)
         explore = self.config.explore if explore is None else explore
         t0 = time.perf_counter()

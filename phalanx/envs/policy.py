@@ -58,6 +58,7 @@ class ActorCritic(nn.Module):
             )
         if activation not in ("tanh", "relu"):
             raise ValueError(f"activation must be 'tanh' or 'relu', got {activation!r}")
+        self._args = (observation_space, action_space, tuple(hidden), activation, init_log_std)
         act = nn.Tanh if activation == "tanh" else nn.ReLU
         obs_dim = int(np.prod(observation_space.shape))
         hidden = [int(h) for h in hidden]
@@ -74,6 +75,12 @@ class ActorCritic(nn.Module):
         self.action_shape = tuple(action_space.shape or ())
         self.actor = _mlp([obs_dim, *hidden, out_dim], act, 0.01)
         self.critic = _mlp([obs_dim, *hidden, 1], act, 1.0)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickles as its arguments and weights: hooks that a runner's weight receiver put
+        on it (they hold weak references) stay behind, so a runner can return it."""
+        state = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        return (_rebuild, (self._args, state, self.training))
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
         """State values, shape ``[B]``."""
@@ -118,3 +125,10 @@ class ActorCritic(nn.Module):
     def forward(self, obs: torch.Tensor) -> Any:
         """Greedy actions (what ``phalanx eval`` runs)."""
         return self.act(obs, explore=False)[0]
+
+
+def _rebuild(args: tuple[Any, ...], state: dict[str, torch.Tensor], training: bool) -> ActorCritic:
+    with torch.random.fork_rng(devices=[]):  # the initialisation must not move the RNG
+        module = ActorCritic(*args)
+    module.load_state_dict(state)
+    return module.train(training)

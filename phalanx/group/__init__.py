@@ -3,23 +3,19 @@ handles and futures, named sharding, and fault tolerance (health, restarts, hang
 
 from __future__ import annotations
 
-from phalanx.group.futures import GroupHandle, MultiWorkerFuture
-from phalanx.group.group import RayWorkerGroup, UnknownMethodError, WorkerGroup
-from phalanx.group.results import CallResult, RemoteCallResults, ResultOrError
-from phalanx.group.sharding import NamedSharding
-from phalanx.worker.worker import register_group_factory
+from phalanx._base.lazy import lazy_exports
 
-# Worker.create_group builds its group through this factory (worker sits below group).
-register_group_factory(WorkerGroup)
-
-__all__ = [
-    "CallResult",
-    "GroupHandle",
-    "MultiWorkerFuture",
-    "NamedSharding",
-    "RayWorkerGroup",
-    "RemoteCallResults",
-    "ResultOrError",
-    "UnknownMethodError",
-    "WorkerGroup",
-]
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "GroupHandle": ".futures",
+        "MultiWorkerFuture": ".futures",
+        "RayWorkerGroup": ".group",
+        "UnknownMethodError": ".group",
+        "WorkerGroup": ".group",
+        "CallResult": ".results",
+        "RemoteCallResults": ".results",
+        "ResultOrError": ".results",
+        "NamedSharding": ".sharding",
+    },
+)

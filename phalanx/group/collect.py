@@ -27,6 +27,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from phalanx._base.checks import check_timeout
 from phalanx._base.errors import GroupTimeoutError, WorkerError
 from phalanx.group import hang
 from phalanx.group.fault import FaultState
@@ -36,17 +37,6 @@ logger = logging.getLogger(__name__)
 
 ResultHook = Callable[[list[int], list[Any]], None]
 _LABELS_KEPT = 4096
-
-
-def check_timeout(timeout: Any, arg: str = "timeout") -> float | None:
-    """``None`` or a number >= 0, else a clear error naming ``arg``."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"{arg} must be a number of seconds or None, got {type(timeout).__name__}")
-    if timeout < 0:
-        raise ValueError(f"{arg} must be >= 0 or None, got {timeout!r}")
-    return float(timeout)
 
 
 class Collector:
@@ -316,4 +306,4 @@ class Collector:
         return hang.timeout_error(self._members, method, pending, timeout, finished)
 
 
-__all__ = ["Collector", "check_timeout"]
+__all__ = ["Collector"]

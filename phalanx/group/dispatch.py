@@ -10,10 +10,11 @@ its one dispatch. Nothing here touches Ray, so each style is tested without a cl
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from phalanx._base.checks import check_rank
 from phalanx.group.sharding import NamedSharding
 
 Call = tuple[int, tuple, dict]
@@ -33,16 +34,36 @@ class ShardsItself(Protocol):
 # ----------------------------------------------------------------------------- ranks
 
 
+class DispatchError(ValueError, AssertionError):
+    """Per-worker data or functions that do not match the workers called.
+
+    NeMo-RL and RLlib assert these (``AssertionError``); phalanx's rule is ``ValueError``:
+    this error is both, so code written for either catches it.
+    """
+
+
+def _bad_ranks(ranks: list[Any], world_size: int) -> tuple[list[Any], list[Any]]:
+    """``(not ints, out of range)`` among ``ranks``, by ``checks.check_rank``'s rule."""
+    not_int, out = [], []
+    for r in ranks:
+        try:
+            check_rank(r, world_size)
+        except TypeError:
+            not_int.append(r)
+        except ValueError:
+            out.append(r)
+    return not_int, out
+
+
 def check_ranks(ranks: Iterable[Any], world_size: int, arg: str) -> list[int]:
     """``ranks`` as a list, or a ``TypeError``/``ValueError`` naming ``arg``."""
     ranks = list(ranks)
-    not_int = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int)]
+    not_int, bad = _bad_ranks(ranks, world_size)
     if not_int:
         raise TypeError(f"{arg}: ranks must be int ranks, got {not_int!r}")
-    bad = [r for r in ranks if not 0 <= r < world_size]
     if bad:
         raise ValueError(f"{arg}: ranks {bad} out of range for {world_size} workers")
-    return ranks
+    return [int(r) for r in ranks]
 
 
 def execute_on(ranks: tuple[Any, ...], world_size: int, group: str) -> list[int]:
@@ -51,13 +72,12 @@ def execute_on(ranks: tuple[Any, ...], world_size: int, group: str) -> list[int]
         ranks = tuple(ranks[0])
     if not ranks:
         raise ValueError("execute_on needs at least one rank")
-    not_int = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int)]
+    not_int, bad = _bad_ranks(list(ranks), world_size)
     if not_int:
         raise TypeError(f"execute_on: each rank must be an int rank, got {not_int!r}")
-    bad = [r for r in ranks if not 0 <= r < world_size]
     if bad:
         raise ValueError(f"ranks {bad} out of range for group {group} of {world_size} workers")
-    return list(ranks)
+    return [int(r) for r in ranks]
 
 
 def broadcast(ranks: Sequence[int], args: tuple, kwargs: dict) -> list[Call]:
@@ -84,7 +104,7 @@ def multiple_data(
 ) -> list[Call]:
     """One item of each list argument per rank, plus ``common_kwargs`` for every rank."""
     if not args and not kwargs:
-        raise ValueError(
+        raise DispatchError(
             "run_all_workers_multiple_data needs per-worker data; use run_all_workers_single_data"
         )
     common = dict(common_kwargs or {})
@@ -94,7 +114,7 @@ def multiple_data(
                 f"{name} must be a list with one entry per worker, got {type(value).__name__}"
             )
         if len(value) != len(ranks):
-            raise ValueError(f"{name} has {len(value)} entries for {len(ranks)} called workers")
+            raise DispatchError(f"{name} has {len(value)} entries for {len(ranks)} called workers")
     clash = set(common) & set(kwargs)
     if clash:
         raise ValueError(f"common_kwargs repeats per-worker kwargs {sorted(clash)}")
@@ -237,7 +257,7 @@ def foreach_select(
         ranks = check_ranks(remote_worker_ids, world_size, "remote_worker_ids")
     funcs = func if isinstance(func, list) else None
     if funcs is not None and len(funcs) != len(ranks):
-        raise ValueError(f"func: a list of {len(funcs)} functions for {len(ranks)} workers")
+        raise DispatchError(f"func: a list of {len(funcs)} functions for {len(ranks)} workers")
     bad = set(not_healthy) if healthy_only else set()
     if bad:
         keep = [i for i, r in enumerate(ranks) if r not in bad]
@@ -271,7 +291,7 @@ def foreach(
     kwargs = dict(kwargs or {})
     funcs = func if isinstance(func, list) else None
     if funcs is not None and len(funcs) != len(ranks):
-        raise ValueError(f"func: a list of {len(funcs)} functions for {len(ranks)} workers")
+        raise DispatchError(f"func: a list of {len(funcs)} functions for {len(ranks)} workers")
     for f in funcs or [func]:
         if not (callable(f) or isinstance(f, str)):
             raise TypeError(f"func must be a callable or a method name, got {type(f).__name__}")
@@ -314,29 +334,54 @@ def call_each(worker: Any, func: Any, *args: Any, **kw: Any) -> Any:
 # ----------------------------------------------------------------------------- shared values
 
 
-def approx_nbytes(value: Any, budget: int = INLINE_LIMIT) -> int:
-    """A cheap lower bound of a value's serialized size, stopping once past ``budget``."""
+MAX_ITEMS_LOOKED_AT = 4096  # approx_nbytes assumes a big value past this many items
+_END = object()
+
+
+def _own_size(value: Any, budget: int) -> tuple[int, Iterable[Any] | None]:
+    """A value's own bytes, and its items when it is a container to look into."""
     if value is None or isinstance(value, (bool, int, float, complex)):
-        return 8
+        return 8, None
     if isinstance(value, (str, bytes, bytearray, memoryview)):
-        return len(value)
+        return len(value), None
     nbytes = getattr(value, "nbytes", None)
     if isinstance(nbytes, int):
-        return nbytes
+        return nbytes, None
     numel = getattr(value, "numel", None)
     if callable(numel) and hasattr(value, "element_size"):
-        return int(numel()) * int(value.element_size())
+        return int(numel()) * int(value.element_size()), None
     if isinstance(value, dict):
-        items: Iterable[Any] = itertools.chain.from_iterable(value.items())
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        items = value
-    else:
-        return budget  # unknown objects: assume big enough to share
-    total = 0
-    for i, item in enumerate(items):
-        total += approx_nbytes(item, budget - total)
-        if total >= budget or i > 4096:
+        return 0, itertools.chain.from_iterable(value.items())
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return 0, value
+    return budget, None  # unknown objects: assume big enough to share
+
+
+def approx_nbytes(value: Any, budget: int = INLINE_LIMIT) -> int:
+    """A cheap lower bound of a value's serialized size, stopping once past ``budget``.
+
+    It walks containers with its own stack and looks into each one once, so deep nesting
+    and cycles (which pickle handles) work; past ``MAX_ITEMS_LOOKED_AT`` items it
+    assumes the value is big.
+    """
+    total, looked = 0, 0
+    seen: set[int] = set()
+    stack: list[Iterator[Any]] = [iter((value,))]
+    while stack:
+        item = next(stack[-1], _END)
+        if item is _END:
+            stack.pop()
+            continue
+        looked += 1
+        if looked > MAX_ITEMS_LOOKED_AT:
             return max(total, budget)
+        size, items = _own_size(item, budget - total)
+        total += size
+        if total >= budget:
+            return total
+        if items is not None and id(item) not in seen:
+            seen.add(id(item))
+            stack.append(iter(items))
     return total
 
 
@@ -359,6 +404,7 @@ def shared_values(calls: list[Call], is_ref: Callable[[Any], bool]) -> dict[int,
 
 
 __all__ = [
+    "DispatchError",
     "ShardsItself",
     "ShardedPlan",
     "ForeachPlan",
@@ -371,4 +417,5 @@ __all__ = [
     "rank0_only",
     "sharded",
     "shared_values",
+    "approx_nbytes",
 ]

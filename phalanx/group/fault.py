@@ -1,7 +1,7 @@
 """Fault tolerance for any worker group: health, restarts with state restore.
 
 A group carries a :class:`RestartPolicy` (``launch(..., restart_policy=RestartPolicy())``).
-Each rank has a health state::
+Each rank has a health state (its process)::
 
     healthy --(actor died)--> unhealthy --(restart allowed)--> restarting --> healthy
                                   |                                |
@@ -11,10 +11,21 @@ Each rank has a health state::
 The rule for a plain group: **only a dead process makes a worker unhealthy.** An exception
 raised by the worker's code is that call's error (a :class:`~phalanx.WorkerError` naming the
 rank, with the remote traceback); the worker answered, so it stays healthy and keeps its
-state. A timeout leaves it healthy too (the hang report says where it is stuck). A group
-that wants RLlib's rule instead (an exception is a worker failure: the worker is marked
-unhealthy and restarted or ignored per policy) sets ``RestartPolicy(restart_on_error=True)``;
-``EnvRunnerGroup`` does.
+state. A timeout leaves it healthy too (the hang report says where it is stuck).
+
+RLlib's rule (``RestartPolicy.rllib()``, what ``EnvRunnerGroup`` launches its runners
+with) adds two things, both here:
+
+- *an exception is a failure* (``restart_on_error``): the rank is restarted (its process
+  replaced) if the policy allows, else it stays up but out of service;
+- *out of service until probed* (``until_probed``): a rank that failed - its process
+  died, its code raised, or its caller reported a stalled call (``FaultState.fail`` with
+  the call still ``running``) - leaves ``healthy_worker_ids`` and every ``healthy_only``
+  call, and stays out even after its new process is up, until a probe
+  (``probe_unhealthy_workers``) restores it (``set_state`` and the restart hooks: latest
+  weights) or a ``mark_healthy`` call that it answers brings it back. Each return to
+  service counts as one restart (RLlib's count); restarts done while the group starts
+  count at once. A rank whose stalled call still runs is not pinged until the call ends.
 
 Deaths are seen within milliseconds by one driver thread that waits on a long-lived
 "watch" call per worker (it runs in the host's control concurrency group), and also when
@@ -41,11 +52,12 @@ from typing import Any, Protocol
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
+from phalanx._base.checks import check_int, check_number
 from phalanx._base.errors import WorkerDiedError
+from phalanx.group.monitor import MONITOR, first_line
 
 logger = logging.getLogger(__name__)
 
-WATCH_PERIOD_S = 60.0  # a watch call returns after this long and is sent again
 # The reason of the health event each start-up restart leaves (one event per restart).
 STARTUP_RESTART = "died during start-up; started again"
 
@@ -81,6 +93,9 @@ class RestartPolicy:
     - ``restart_on_error=False``: an exception raised by the worker's code leaves it
       healthy. ``True`` is RLlib's rule: the worker is marked unhealthy and restarted
       (or left out, with ``ignore_failures``) as if it had died.
+    - ``until_probed=False``: ``True`` is RLlib's service rule (see the module
+      docstring): a failed rank stays out of service until a probe brings it back, and
+      restarts are counted when that happens.
     - ``capture_state_from="get_state"``: results of this worker method, returned by any
       call style, are kept per rank and given to ``set_state`` after that rank restarts
       (``None``: only states given to ``group.register_state`` are restored).
@@ -99,35 +114,21 @@ class RestartPolicy:
     restart_window_s: float | None = None
     restart_on_error: bool = False
     capture_state_from: str | None = "get_state"
+    until_probed: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_restarts_per_worker", "max_restarts_total"):
-            v = getattr(self, name)
-            if v is None and name == "max_restarts_total":
-                continue
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-            if v < 0:
-                raise ValueError(f"{name} must be >= 0, got {v}")
-        for name in ("delay_s", "health_probe_timeout_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise TypeError(f"{name} must be a number, got {type(v).__name__}")
-        if self.delay_s < 0:
-            raise ValueError(f"delay_s must be >= 0, got {self.delay_s}")
-        if self.health_probe_timeout_s <= 0:
+        check_int(self.max_restarts_per_worker, "max_restarts_per_worker", minimum=0)
+        if self.max_restarts_total is not None:
+            check_int(self.max_restarts_total, "max_restarts_total", minimum=0)
+        check_number(self.delay_s, "delay_s", minimum=0)
+        if check_number(self.health_probe_timeout_s, "health_probe_timeout_s") <= 0:
             raise ValueError(
                 f"health_probe_timeout_s must be > 0, got {self.health_probe_timeout_s}"
             )
         w = self.restart_window_s
-        if w is not None:
-            if isinstance(w, bool) or not isinstance(w, (int, float)):
-                raise TypeError(
-                    f"restart_window_s must be a number or None, got {type(w).__name__}"
-                )
-            if w <= 0:
-                raise ValueError(f"restart_window_s must be > 0, got {w}")
-        for name in ("ignore_failures", "restart_on_error"):
+        if w is not None and check_number(w, "restart_window_s") <= 0:
+            raise ValueError(f"restart_window_s must be > 0, got {w}")
+        for name in ("ignore_failures", "restart_on_error", "until_probed"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool")
         if self.capture_state_from is not None and not isinstance(self.capture_state_from, str):
@@ -137,6 +138,31 @@ class RestartPolicy:
     def never(cls, ignore_failures: bool = False) -> RestartPolicy:
         """Track health, never restart."""
         return cls(max_restarts_per_worker=0, max_restarts_total=0, ignore_failures=ignore_failures)
+
+    @classmethod
+    def rllib(
+        cls,
+        *,
+        restart: bool = True,
+        max_restarts: int = 1000,
+        delay_s: float = 0.0,
+        health_probe_timeout_s: float = 30.0,
+        ignore_failures: bool = False,
+    ) -> RestartPolicy:
+        """RLlib's failure rule (its ``EnvRunnerGroup`` and ``FaultTolerantActorManager``):
+        any error takes a worker out of service until a probe; with ``restart`` its
+        process is replaced at once (up to ``max_restarts`` times), else a probe that it
+        answers brings it back. Only states given to ``register_state`` are restored."""
+        return cls(
+            max_restarts_per_worker=max_restarts if restart else 0,
+            max_restarts_total=None if restart else 0,
+            delay_s=delay_s,
+            health_probe_timeout_s=health_probe_timeout_s,
+            ignore_failures=ignore_failures,
+            restart_on_error=True,
+            capture_state_from=None,
+            until_probed=True,
+        )
 
     @property
     def restarts_enabled(self) -> bool:
@@ -194,6 +220,9 @@ class FaultState:
         self._events: list[HealthEvent] = []
         self._states: dict[int, Any] = {}
         self._restarting: dict[int, threading.Thread] = {}
+        # Out of service until probed (``until_probed``): rank -> the ref of its stalled
+        # call still running, or None.
+        self._out: dict[int, Any] = {}
         self._closed = False
 
     # -- setup ----------------------------------------------------------------------------
@@ -202,6 +231,7 @@ class FaultState:
         with self._cond:
             self._health = [WorkerHealth.HEALTHY] * world
             self.not_healthy = set()
+            self._out = {}
             now = time.monotonic()
             self._attempts = [[] for _ in range(world)]
             for rank, n in (startup_restarts or {}).items():
@@ -225,14 +255,14 @@ class FaultState:
         if members is None:
             return
         for rank in range(len(self._health)):
-            _MONITOR.watch(self, rank, members.actor(rank))
+            MONITOR.watch(self, rank, members.actor(rank))
 
     def close(self) -> None:
         """The group shuts down: stop watching; restarts under way give up."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        _MONITOR.forget(self)
+        MONITOR.forget(self)
 
     @property
     def closed(self) -> bool:
@@ -255,6 +285,11 @@ class FaultState:
     @property
     def recoveries(self) -> int:
         return self._recoveries
+
+    def in_service(self) -> list[int]:
+        """Ranks that are healthy and not out of service (``until_probed``)."""
+        with self._cond:
+            return [r for r in range(len(self._health)) if r not in self.not_healthy]
 
     def restarting(self) -> list[int]:
         with self._cond:
@@ -283,10 +318,12 @@ class FaultState:
         if old == new:
             return
         self._health[rank] = new
-        if new == WorkerHealth.HEALTHY:
-            self.not_healthy.discard(rank)
-        else:
+        if new != WorkerHealth.HEALTHY:
             self.not_healthy.add(rank)
+            if self.policy.until_probed:
+                self._out.setdefault(rank, None)
+        elif rank not in self._out:
+            self.not_healthy.discard(rank)
         self._events.append(HealthEvent(rank, old, new, reason, time.time()))
         logger.info("rank %d: %s -> %s (%s)", rank, old.value, new.value, reason)
         self._cond.notify_all()
@@ -319,12 +356,21 @@ class FaultState:
             self._set(rank, WorkerHealth.UNHEALTHY, reason)
             self._schedule_or_bury(rank, reason)
 
-    def fail(self, rank: int, reason: str) -> None:
-        """``rank`` failed although its process answered (``restart_on_error``): take it out
-        of service and restart it if the policy allows."""
+    def fail(self, rank: int, reason: str, running: Any = None) -> None:
+        """``rank`` failed although its process answered (``restart_on_error``), or its
+        call ``running`` stalled: take it out of service and restart it if the policy
+        allows. Under ``until_probed`` a rank that cannot be restarted stays up, out of
+        service, until it answers a probe (after ``running`` ended)."""
         with self._cond:
             if self._closed or self._health[rank] != WorkerHealth.HEALTHY:
                 return
+            if self.policy.until_probed:
+                self._out[rank] = running
+                self.not_healthy.add(rank)
+                if not self.can_restart(rank):
+                    logger.info("rank %d: out of service until probed (%s)", rank, reason)
+                    self._cond.notify_all()
+                    return
             self._set(rank, WorkerHealth.UNHEALTHY, reason)
             self._schedule_or_bury(rank, reason)
 
@@ -350,7 +396,7 @@ class FaultState:
                 ray.get(actor._px_ping.remote(), timeout=max(0.1, deadline - time.monotonic()))
                 return
             except ActorDiedError as e:
-                self.observe_death(rank, actor._actor_id, f"actor died: {_first_line(e)}")
+                self.observe_death(rank, actor._actor_id, f"actor died: {first_line(e)}")
                 return
             except RayActorError:
                 time.sleep(0.05)  # "temporarily unavailable": ask again
@@ -383,7 +429,7 @@ class FaultState:
             spawned = members.respawn(rank, timeout=members.launch_timeout_s)
         except Exception as e:  # noqa: BLE001 - any failure to start counts against the rank
             with self._cond:
-                reason = f"restart failed: {_first_line(e)}"
+                reason = f"restart failed: {first_line(e)}"
                 self._set(rank, WorkerHealth.UNHEALTHY, reason)
                 if not self._closed:
                     self._schedule_or_bury(rank, reason)
@@ -393,16 +439,19 @@ class FaultState:
                 members.discard(spawned)
                 return
             actor = members.install(rank, spawned)
-        _MONITOR.watch(self, rank, actor)
+        MONITOR.watch(self, rank, actor)
         try:
             self._restore(members, rank, actor, timeout)
         except Exception as e:  # noqa: BLE001 - a failed restore keeps the rank out of calls
             with self._cond:
-                self._set(rank, WorkerHealth.UNHEALTHY, f"restore failed: {_first_line(e)}")
+                self._set(rank, WorkerHealth.UNHEALTHY, f"restore failed: {first_line(e)}")
             return
         with self._cond:
-            self._recoveries += 1
-            self._recovered_since_probe.add(rank)
+            if rank in self._out:
+                self._out[rank] = None  # its stalled call died with the old process
+            else:
+                self._recoveries += 1
+                self._recovered_since_probe.add(rank)
             self._set(rank, WorkerHealth.HEALTHY, "restarted and restored")
 
     def _restore(self, members: Members, rank: int, actor: Any, timeout: float) -> None:
@@ -490,139 +539,108 @@ class FaultState:
                 self._cond.wait(min(left, 0.5))
 
     def mark_healthy(self, ranks: list[int]) -> None:
-        """Unhealthy ranks that just answered a call are healthy again."""
+        """Unhealthy (or out of service) ranks that just answered a call are back."""
         with self._cond:
             for r in ranks:
                 if self._health[r] == WorkerHealth.UNHEALTHY and r not in self._restarting:
                     self._set(r, WorkerHealth.HEALTHY, "answered a call (mark_healthy)")
+                if r in self._out and self._health[r] == WorkerHealth.HEALTHY:
+                    self._back(r)
+
+    def set_in_service(self, rank: int, healthy: bool, reason: str) -> None:
+        """Put ``rank`` in service (healthy) or out of it (unhealthy, no restart scheduled);
+        a rank being restarted is left to its restart."""
+        with self._cond:
+            if self._closed or rank in self._restarting:
+                return
+            self._set(rank, WorkerHealth.HEALTHY if healthy else WorkerHealth.UNHEALTHY, reason)
+            if healthy and rank in self._out:
+                self._back(rank)
+
+    def _back(self, rank: int) -> None:
+        """``rank`` is back in service: one restart in RLlib's count."""
+        del self._out[rank]
+        self.not_healthy.discard(rank)
+        self._recoveries += 1
+        self._recovered_since_probe.add(rank)
+        self._cond.notify_all()
 
     # -- probing ----------------------------------------------------------------------------
     def probe(self, timeout: float) -> list[int]:
         """Ping unhealthy ranks; restore (or restart) them; wait up to ``timeout`` for
-        restarts under way; return every rank back since the last probe."""
+        restarts under way; under ``until_probed`` restore and bring back every rank out
+        of service that answers; return every rank back since the last probe."""
         members = self._members_ref()
         if members is None:
             return []
         deadline = time.monotonic() + timeout
         with self._cond:
-            targets = [r for r, h in enumerate(self._health) if h == WorkerHealth.UNHEALTHY]
-            waiting = [r for r, h in enumerate(self._health) if h == WorkerHealth.RESTARTING]
+            waiting = [
+                r
+                for r, h in enumerate(self._health)
+                if h == WorkerHealth.RESTARTING or r in self._restarting
+            ]
+            targets = [
+                r
+                for r, h in enumerate(self._health)
+                if h == WorkerHealth.UNHEALTHY and r not in waiting
+            ]
         for rank in targets:
             actor = members.actor(rank)
-            alive = True
-            try:
-                ray.get(actor._px_ping.remote(), timeout=max(0.1, deadline - time.monotonic()))
-            except (RayActorError, GetTimeoutError):
-                alive = False
-            if alive:
-                try:
-                    self._restore(members, rank, actor, timeout)
-                except Exception as e:  # noqa: BLE001
-                    logger.warning("rank %d: restore on probe failed: %s", rank, e)
-                    continue
-                with self._cond:
-                    self._recovered_since_probe.add(rank)
-                    self._set(rank, WorkerHealth.HEALTHY, "probe: alive and restored")
-            else:
+            if not self._answers(actor, max(0.1, deadline - time.monotonic())):
                 with self._cond:
                     if rank not in self._restarting:
                         self._schedule_or_bury(rank, "probe: no answer")
+            elif self.policy.until_probed:
+                with self._cond:  # brought back below, with the others out of service
+                    self._set(rank, WorkerHealth.HEALTHY, "probe: alive")
+            elif self._restored(members, rank, actor, timeout):
+                with self._cond:
+                    self._recovered_since_probe.add(rank)
+                    self._set(rank, WorkerHealth.HEALTHY, "probe: alive and restored")
         if targets or waiting:
             self.wait_healthy([*targets, *waiting], max(0.0, deadline - time.monotonic()))
+        if self.policy.until_probed:
+            self._probe_out(members)
         with self._cond:
             back = sorted(self._recovered_since_probe)
             self._recovered_since_probe.clear()
         return back
 
+    def _probe_out(self, members: Members) -> None:
+        """Restore and bring back the healthy ranks out of service that answer a ping
+        (a rank whose stalled call still runs is left for a later probe)."""
+        limit = self.policy.health_probe_timeout_s
+        with self._cond:
+            out = [
+                (r, ref)
+                for r, ref in self._out.items()
+                if self._health[r] == WorkerHealth.HEALTHY and r not in self._restarting
+            ]
+        for rank, running in out:
+            if running is not None and not ray.wait([running], timeout=0, fetch_local=False)[0]:
+                continue
+            actor = members.actor(rank)
+            if self._answers(actor, limit) and self._restored(members, rank, actor, limit):
+                with self._cond:
+                    if rank in self._out:
+                        self._back(rank)
 
-class _Monitor:
-    """One driver thread that notices dead actors of every group as soon as Ray does."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.watches: dict[ray.ObjectRef, tuple[FaultState, int, Any]] = {}
-        self.thread: threading.Thread | None = None
-        self.wake = threading.Event()
-
-    def watch(self, state: FaultState, rank: int, actor: Any) -> None:
+    @staticmethod
+    def _answers(actor: Any, timeout: float) -> bool:
         try:
-            ref = actor._px_watch.remote(WATCH_PERIOD_S)
-        except Exception as e:  # noqa: BLE001
-            logger.debug("cannot watch rank %d: %s", rank, e)
-            return
-        with self.lock:
-            self.watches[ref] = (state, rank, actor)
-            if self.thread is None or not self.thread.is_alive():
-                self.thread = threading.Thread(
-                    target=self._run, name="phalanx-health-monitor", daemon=True
-                )
-                self.thread.start()
-        self.wake.set()
+            ray.get(actor._px_ping.remote(), timeout=timeout)
+            return True
+        except (RayActorError, GetTimeoutError):
+            return False
 
-    def forget(self, state: FaultState) -> None:
-        with self.lock:
-            for ref in [r for r, (s, _, _) in self.watches.items() if s is state]:
-                del self.watches[ref]
-
-    def _run(self) -> None:
-        failures = 0
-        while True:
-            with self.lock:
-                # A group dropped without shutdown: let its actors go (we hold handles).
-                for ref in [r for r, (st, _, _) in self.watches.items() if st.gone]:
-                    del self.watches[ref]
-                refs = list(self.watches)
-            if not refs:
-                self.wake.wait(1.0)
-                self.wake.clear()
-                continue
-            if not ray.is_initialized():
-                with self.lock:
-                    self.watches.clear()
-                continue
-            try:
-                ready, _ = ray.wait(refs, num_returns=1, timeout=0.25, fetch_local=False)
-                failures = 0
-            except Exception as e:  # noqa: BLE001 - Ray shut down (and maybe restarted) under us
-                failures += 1
-                if failures >= 5:  # refs of an earlier Ray session: nothing left to watch
-                    logger.warning("health monitor: dropping %d watches: %s", len(refs), e)
-                    with self.lock:
-                        self.watches.clear()
-                time.sleep(0.25)
-                continue
-            for ref in ready:
-                with self.lock:
-                    entry = self.watches.pop(ref, None)
-                if entry is None:
-                    continue
-                state, rank, actor = entry
-                if state.gone:
-                    continue
-                try:
-                    exiting = ray.get(ref, timeout=1.0)
-                except RayActorError as e:
-                    state.observe_death(rank, actor._actor_id, f"actor died: {_first_line(e)}")
-                    continue
-                except Exception:  # noqa: BLE001
-                    exiting = False
-                if exiting:
-                    state.observe_death(rank, actor._actor_id, "worker process exited")
-                else:
-                    self.watch(state, rank, actor)
-
-
-_MONITOR = _Monitor()
-
-
-def stop_watching(state: FaultState) -> None:
-    """Stop the health monitor's watch of ``state``'s workers (benchmarks' baseline)."""
-    _MONITOR.forget(state)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+    def _restored(self, members: Members, rank: int, actor: Any, timeout: float) -> bool:
+        try:
+            self._restore(members, rank, actor, timeout)
+            return True
+        except Exception as e:  # noqa: BLE001 - it stays out; the next probe tries again
+            logger.warning("rank %d: restore on probe failed: %s", rank, e)
+            return False
 
 
 __all__ = [

@@ -8,15 +8,52 @@ Both collect through the group's one result path (``group.collector``).
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-from phalanx._base import trace as _trace
+from phalanx._base.checks import check_timeout
 from phalanx._base.timing import reduce_durations
 from phalanx.group.collect import Collector
+from phalanx.observe import trace as _trace
+
+DEFAULT_CALL_TIMEOUT_S = 600.0
+
+
+class _GroupBound:
+    """The default ``timeout`` of a wait: the group's ``call_timeout_s``."""
+
+    def __repr__(self) -> str:
+        return "<the group's call_timeout_s>"
+
+
+GROUP_BOUND: Any = _GroupBound()
+
+
+def default_call_timeout() -> float | None:
+    """A new group's ``call_timeout_s``: ``$PHALANX_CALL_TIMEOUT_S`` (seconds > 0, or
+    ``none`` for no bound), else ``DEFAULT_CALL_TIMEOUT_S``."""
+    raw = os.environ.get("PHALANX_CALL_TIMEOUT_S", "").strip()
+    if not raw:
+        return DEFAULT_CALL_TIMEOUT_S
+    if raw.lower() == "none":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"PHALANX_CALL_TIMEOUT_S must be seconds > 0 or 'none', got {raw!r}")
+    return value
+
+
+def _bound(timeout: Any, group: Any) -> float | None:
+    if timeout is GROUP_BOUND:
+        return getattr(group, "call_timeout_s", None)
+    return check_timeout(timeout)
 
 
 class GroupHandle:
@@ -36,10 +73,13 @@ class GroupHandle:
         self.skipped: list[int] = []
         self._durations: dict[str, float] | None = None
 
-    def wait(self, timeout: float | None = None) -> list[Any]:
+    def wait(self, timeout: float | None = GROUP_BOUND) -> list[Any]:
         """Block until every called rank returned (or ``timeout`` seconds passed).
 
-        ``timeout=0`` polls: the results if every rank finished, else a
+        With no ``timeout`` the group's ``call_timeout_s`` bounds the wait (600 s unless
+        set; a stopped worker cannot hang the caller forever); ``None`` waits without a
+        bound. A timeout raises ``HangTimeoutError`` naming the ranks that did not answer,
+        with their stacks where they could be taken. ``timeout=0`` polls: the results if every rank finished, else a
         ``GroupTimeoutError`` naming the ranks still running (no hang report is written).
         A negative timeout is a ``ValueError``.
         """
@@ -48,7 +88,8 @@ class GroupHandle:
                 return self._wait(timeout)
         return self._wait(timeout)
 
-    def _wait(self, timeout: float | None) -> list[Any]:
+    def _wait(self, timeout: Any) -> list[Any]:
+        timeout = _bound(timeout, self.group)
         values, dropped = self.group.collector.wait_all(self.method, self.ranks, self.refs, timeout)
         if dropped:
             self.skipped = sorted({*self.skipped, *dropped})
@@ -114,9 +155,12 @@ class MultiWorkerFuture:
         self,
         worker_group: Any,
         return_generators_as_proxies: bool = False,
-        timeout: float | None = None,
+        timeout: float | None = GROUP_BOUND,
     ) -> list[Any]:
         """Results of the workers in ``return_from_workers`` (all called workers if None).
+
+        With no ``timeout``, ``worker_group.call_timeout_s`` bounds the wait (``None``: no
+        bound), as for ``GroupHandle.wait``.
 
         For generator methods, items of all selected workers are concatenated in worker
         order, or with ``return_generators_as_proxies`` the generators are returned as is.
@@ -130,10 +174,10 @@ class MultiWorkerFuture:
         if not isinstance(collector, Collector):
             collector = Collector(None, None, name=getattr(worker_group, "name", "group"))
         method = self.method or collector.label_of(self.futures)
-        results, _ = collector.wait_all(method, ranks, refs, timeout)
+        results, _ = collector.wait_all(method, ranks, refs, _bound(timeout, worker_group))
         if any(isinstance(r, ray.ObjectRefGenerator) for r in refs):
             return [item for items in results for item in items]
         return results
 
 
-__all__ = ["GroupHandle", "MultiWorkerFuture"]
+__all__ = ["GroupHandle", "MultiWorkerFuture", "default_call_timeout"]

@@ -37,12 +37,12 @@ from typing import Any
 
 import ray
 
-from phalanx._base import trace as _trace
+from phalanx._base.checks import check_int, check_number, check_timeout
 from phalanx.group import dispatch
 from phalanx.group import hang as _hang
-from phalanx.group.collect import Collector, check_timeout
+from phalanx.group.collect import Collector
 from phalanx.group.fault import FaultState, HealthEvent, RestartPolicy, WorkerHealth
-from phalanx.group.futures import GroupHandle, MultiWorkerFuture
+from phalanx.group.futures import GroupHandle, default_call_timeout
 from phalanx.group.launch import (
     Roster,
     WorkerRank,
@@ -55,11 +55,14 @@ from phalanx.group.launch import (
     resolve_name,
     wait_names_free,
 )
-from phalanx.group.requests import AsyncRequests, AsyncSubmission, check_tags
-from phalanx.group.results import RemoteCallResults
+from phalanx.group.nemo_face import NemoFace
+from phalanx.group.requests import AsyncRequests
+from phalanx.group.rllib_face import RllibFace
 from phalanx.group.sharding import NamedSharding
+from phalanx.observe import trace as _trace
 from phalanx.resources.cluster import Cluster
-from phalanx.resources.placement import Placement, WorkerSlot, default_placement
+from phalanx.resources.placement import Placement, WorkerSlot
+from phalanx.resources.strategies import default_placement
 from phalanx.resources.virtual_cluster import RayVirtualCluster
 from phalanx.worker.builder import RayWorkerBuilder, _check_env
 
@@ -104,30 +107,7 @@ class _RankView:
         return _GroupMethod(self._group, name, self._ranks)
 
 
-class _ActorProxy:
-    """A worker's handle as NeMo-RL users hold it: ``proxy.method.remote(*args)``."""
-
-    __slots__ = ("actor", "_group", "_rank")
-
-    def __init__(self, group: WorkerGroup, rank: int, actor: ray.actor.ActorHandle):
-        self.actor, self._group, self._rank = actor, group, rank
-
-    def __getattr__(self, name: str) -> Any:
-        group, rank = self._group, self._rank
-        group._check_method(name)
-
-        class _Remote:
-            @staticmethod
-            def remote(*args: Any, **kwargs: Any) -> Any:
-                return group._bare_refs(group._call(name, [(rank, args, kwargs)]))[0]
-
-        return _Remote()
-
-    def __repr__(self) -> str:
-        return f"<worker {self._group.name}:{self._rank}>"
-
-
-class WorkerGroup:
+class WorkerGroup(NemoFace, RllibFace):
     """A group of workers of one class (also exported as ``RayWorkerGroup``).
 
     NeMo-RL form, launched at once::
@@ -180,6 +160,7 @@ class WorkerGroup:
         self._state_hook: Callable[[], None] | None = None
         self._watchdog: _hang.Watchdog | None = None
         self.max_requests_in_flight_per_worker = 2
+        self._call_timeout_s = default_call_timeout()
         if cluster is not None:
             if not isinstance(cluster, RayVirtualCluster):
                 raise TypeError(
@@ -221,11 +202,7 @@ class WorkerGroup:
             raise TypeError(
                 f"placement must be a phalanx Placement, got {type(placement).__name__}"
             )
-        if max_concurrency is not None and (
-            isinstance(max_concurrency, bool)
-            or not isinstance(max_concurrency, int)
-            or max_concurrency < 1
-        ):
+        if max_concurrency is not None and check_int(max_concurrency, "max_concurrency") < 1:
             raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
         self._roster.max_concurrency = max_concurrency
         if sharding is not None:
@@ -233,9 +210,7 @@ class WorkerGroup:
         if env_vars:
             self._env_vars.update(_check_env(env_vars, "env_vars"))
         if timeout_s is not None:
-            if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
-                raise TypeError(f"timeout_s must be a number of seconds, got {timeout_s!r}")
-            if not timeout_s > 0:
+            if not check_number(timeout_s, "timeout_s") > 0:
                 raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
             self._roster.launch_timeout_s = timeout_s
         if restart_policy is not None:
@@ -319,14 +294,21 @@ class WorkerGroup:
         return self._collector
 
     @property
+    def call_timeout_s(self) -> float | None:
+        """How long ``handle.wait()`` and ``MultiWorkerFuture.get_results`` wait when given
+        no timeout (``PHALANX_CALL_TIMEOUT_S``, default 600 s; ``None``: no bound)."""
+        return self._call_timeout_s
+
+    @call_timeout_s.setter
+    def call_timeout_s(self, value: float | None) -> None:
+        if check_timeout(value, "call_timeout_s") == 0:
+            raise ValueError("call_timeout_s must be > 0 or None, got 0")
+        self._call_timeout_s = check_timeout(value, "call_timeout_s")
+
+    @property
     def methods(self) -> dict[str, str]:
         """Public methods of the worker class: name -> ``sync``/``async``/``gen``/``asyncgen``."""
         return dict(self._roster.methods)
-
-    @property
-    def _methods(self) -> dict[str, str]:
-        # Read by phalanx.envs.env_runner_group (to be replaced there by ``methods``).
-        return self._roster.methods
 
     def _check_live(self) -> None:
         if self._state != _RUNNING:
@@ -519,129 +501,18 @@ class WorkerGroup:
                 logger.warning("group %s: _close failed: %s", self.name, e)
         self.shutdown()
 
-    # ------------------------------------------------------------------ NeMo-RL face
-    @property
-    def workers(self) -> list[_ActorProxy]:
-        return [_ActorProxy(self, r, a) for r, a in enumerate(self._roster.actors)]
-
+    # ------------------------------------------------------------------ members
     @property
     def actors(self) -> list[ray.actor.ActorHandle]:
         """The underlying Ray actor handles (hosts of the worker objects)."""
         return list(self._roster.actors)
 
     @property
-    def worker_metadata(self) -> list[dict[str, Any]]:
-        return list(self._roster.metadata)
-
-    @property
     def world_size(self) -> int:
         return len(self._roster.actors)
 
-    @property
-    def master_address(self) -> str:
-        return self._roster.master_address
-
-    @property
-    def master_port(self) -> int:
-        return self._roster.master_port
-
-    @property
-    def dp_size(self) -> int:
-        return len(self.dp_leader_worker_indices)
-
-    def get_dp_leader_worker_idx(self, dp_shard_idx: int) -> int:
-        if not isinstance(dp_shard_idx, int) or not 0 <= dp_shard_idx < self.dp_size:
-            raise IndexError(f"dp_shard_idx {dp_shard_idx} out of range 0..{self.dp_size - 1}")
-        return self.dp_leader_worker_indices[dp_shard_idx]
-
     def _check_ranks(self, ranks: Any, arg: str) -> list[int]:
         return dispatch.check_ranks(ranks, self.world_size, arg)
-
-    def run_single_worker_single_data(
-        self, method_name: str, worker_idx: int, *args: Any, **kwargs: Any
-    ) -> ray.ObjectRef:
-        """Run ``method_name`` on one worker; returns its Ray future."""
-        self._check_method(method_name)
-        self._check_ranks([worker_idx], "worker_idx")
-        return self._bare_refs(self._call(method_name, [(worker_idx, args, kwargs)]))[0]
-
-    def run_all_workers_single_data(
-        self,
-        method_name: str,
-        *args: Any,
-        run_rank_0_only_axes: list[str] | None = None,
-        **kwargs: Any,
-    ) -> list[ray.ObjectRef]:
-        """Same arguments to every worker (or only rank 0 of ``run_rank_0_only_axes``)."""
-        self._check_method(method_name)
-        ranks = dispatch.rank0_only(
-            self.sharding_annotations, self._all_ranks, run_rank_0_only_axes
-        )
-        calls = dispatch.broadcast(ranks, args, kwargs)
-        return self._bare_refs(self._call(method_name, calls, health=self._broadcast_health()))
-
-    def run_all_workers_multiple_data(
-        self,
-        method_name: str,
-        *args: Any,
-        run_rank_0_only_axes: list[str] | None = None,
-        common_kwargs: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> list[ray.ObjectRef]:
-        """One item of each list argument per called worker, plus ``common_kwargs`` for all."""
-        self._check_method(method_name)
-        ranks = dispatch.rank0_only(
-            self.sharding_annotations, self._all_ranks, run_rank_0_only_axes
-        )
-        calls = dispatch.multiple_data(ranks, args, kwargs, common_kwargs)
-        return self._bare_refs(self._call(method_name, calls))
-
-    def run_all_workers_sharded_data(
-        self,
-        method_name: str,
-        *args: Any,
-        in_sharded_axes: list[str] | None = None,
-        replicate_on_axes: list[str] | None = None,
-        output_is_replicated: list[str] | None = None,
-        make_dummy_calls_to_free_axes: bool = False,
-        common_kwargs: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> MultiWorkerFuture:
-        """Send each worker the shard for its coordinates (see ``dispatch.sharded``).
-
-        ``in_sharded_axes``: data is nested lists indexed by these axes, in this order (a
-        value that shards itself, such as a ``BatchedDataDict``, may be given whole for
-        one axis). ``replicate_on_axes``: every worker along these axes gets the same
-        shard. Free axes (neither): only index 0 is called (others get ``None`` data with
-        ``make_dummy_calls_to_free_axes``). Results come from index 0 of free axes and of
-        ``output_is_replicated`` axes.
-        """
-        self._check_method(method_name)
-        plan = dispatch.sharded(
-            self.sharding_annotations,
-            self._all_ranks,
-            args,
-            kwargs,
-            in_sharded_axes=in_sharded_axes,
-            replicate_on_axes=replicate_on_axes,
-            output_is_replicated=output_is_replicated,
-            make_dummy_calls_to_free_axes=make_dummy_calls_to_free_axes,
-            common_kwargs=common_kwargs,
-        )
-        handle = self._call(method_name, plan.calls)
-        return MultiWorkerFuture(
-            futures=handle.refs,
-            return_from_workers=plan.returning,
-            called_workers=plan.called,
-            method=method_name,
-        )
-
-    def get_all_worker_results(
-        self, future_bundle: MultiWorkerFuture, return_generators_as_proxies: bool = False
-    ) -> list[Any]:
-        return future_bundle.get_results(
-            self, return_generators_as_proxies=return_generators_as_proxies
-        )
 
     # ------------------------------------------------------------------ health
     @property
@@ -661,46 +532,11 @@ class WorkerGroup:
         """Every health transition so far, oldest first."""
         return self._fault.events()
 
-    def healthy_worker_ids(self) -> list[int]:
-        """Ranks whose worker is healthy (RLlib's worker ids; phalanx ids are 0-based ranks)."""
-        return [r for r, h in enumerate(self._fault.health()) if h == WorkerHealth.HEALTHY]
-
-    def num_healthy_workers(self) -> int:
-        return len(self.healthy_worker_ids())
-
-    def num_healthy_remote_workers(self) -> int:
-        """Same as ``num_healthy_workers``: every phalanx worker is remote."""
-        return self.num_healthy_workers()
-
-    def num_remote_workers(self) -> int:
-        return self.world_size
-
-    def num_remote_worker_restarts(self) -> int:
-        """How many times a worker was restarted and came back healthy."""
-        return self._fault.recoveries
-
     def wait_healthy(self, timeout_seconds: float = 60.0, ranks: list[int] | None = None) -> bool:
         """Block until ``ranks`` (default all) are healthy; False if the time ran out or a
         rank is unhealthy or dead with no restart under way."""
         ranks = self._all_ranks if ranks is None else self._check_ranks(ranks, "ranks")
         return self._fault.wait_healthy(ranks, timeout_seconds)
-
-    def probe_unhealthy_workers(self, timeout_seconds: float | None = None) -> list[int]:
-        """Ping unhealthy workers, restore or restart them; return the ranks that came back.
-
-        A restart already under way is waited for (up to ``timeout_seconds``). Ranks
-        restarted in the background since the last probe are included, so a caller that
-        re-syncs what came back (as RLlib's algorithms do) misses none.
-        """
-        timeout = (
-            self._fault.policy.health_probe_timeout_s
-            if timeout_seconds is None
-            else timeout_seconds
-        )
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"timeout_seconds must be a positive number, got {timeout_seconds!r}")
-        self._check_live()
-        return self._fault.probe(float(timeout))
 
     def register_state(self, rank: int | None, state: Any) -> None:
         """The state ``set_state`` gets after ``rank`` restarts (``None``: every rank).
@@ -728,298 +564,6 @@ class WorkerGroup:
     def watchdog(self) -> _hang.Watchdog | None:
         """The group's watchdog (``set_watchdog``), with the ``reports`` it printed."""
         return self._watchdog
-
-    # ------------------------------------------------------------------ RLlib face
-    def _foreach(
-        self,
-        func: Any,
-        kwargs: dict[str, Any] | None,
-        healthy_only: bool,
-        remote_worker_ids: list[int] | None,
-        timeout_seconds: float | None,
-        return_obj_refs: bool,
-        mark_healthy: bool,
-        with_id: bool = False,
-    ) -> tuple[RemoteCallResults, GroupHandle | None, list[int]]:
-        """Start a ``foreach`` call and collect what finishes within the timeout:
-        ``(outcomes, handle or None when no rank was selected, ranks still running)``."""
-        timeout = check_timeout(timeout_seconds, "timeout_seconds")
-        self._check_live()
-        ranks, func = dispatch.foreach_select(
-            self._all_ranks,
-            self.world_size,
-            func,
-            healthy_only=healthy_only,
-            not_healthy=self._fault.not_healthy,
-            remote_worker_ids=remote_worker_ids,
-        )
-        plan = dispatch.foreach(
-            func, ranks, kwargs, with_id=with_id, check_method=self._check_method
-        )
-        if not ranks:
-            return RemoteCallResults(), None, []
-        health = self._broadcast_health() if healthy_only else "any"
-        handle = self._call(plan.method or plan.label, plan.calls, fn=plan.fn, health=health)
-        results, pending = self._collector.ready(
-            handle.method,
-            handle.ranks,
-            handle.refs,
-            timeout,
-            return_obj_refs=return_obj_refs,
-            mark_healthy=mark_healthy,
-        )
-        return results, handle, pending
-
-    def _foreach_values(
-        self,
-        func: Any,
-        kwargs: dict[str, Any] | None,
-        healthy_only: bool,
-        remote_worker_ids: list[int] | None,
-        timeout_seconds: float | None,
-        return_obj_refs: bool,
-        mark_healthy: bool,
-        with_id: bool,
-    ) -> list[Any]:
-        """The plain-values form of ``_foreach`` (RLlib's ``foreach_worker``)."""
-        results, handle, pending = self._foreach(
-            func,
-            kwargs,
-            healthy_only,
-            remote_worker_ids,
-            timeout_seconds,
-            return_obj_refs,
-            mark_healthy,
-            with_id,
-        )
-        if handle is None:
-            return []
-        if return_obj_refs:
-            return [r.get() for r in results]
-        out = [v for _, v in self._collector.values(handle.method, results)]
-        if timeout_seconds is not None:
-            self._collector.after_timeout(
-                handle.method, handle.ranks, handle.refs, pending, float(timeout_seconds)
-            )
-        return out
-
-    def foreach_worker(
-        self,
-        func: Callable[[Any], Any] | str | list[Callable[[Any], Any] | str],
-        *,
-        kwargs: dict[str, Any] | None = None,
-        healthy_only: bool = True,
-        remote_worker_ids: list[int] | None = None,
-        timeout_seconds: float | None = None,
-        return_obj_refs: bool = False,
-        mark_healthy: bool = False,
-    ) -> list[Any]:
-        """Run ``func(worker)`` (or the method named ``func``) on each selected worker.
-
-        ``healthy_only`` skips workers not healthy (with a list of functions, one per
-        selected worker, the skipped workers' functions are dropped); ``remote_worker_ids``
-        selects ranks. Results come back in rank order. A failed call raises its error,
-        unless the policy ignores failures (it is then left out and logged). With
-        ``timeout_seconds`` a call still running then produces a hang report and a
-        :class:`~phalanx.group.hang.HangTimeoutError` (with ``ignore_failures``: the finished
-        results, and a warning naming the report); ``timeout_seconds=0`` returns what is
-        ready at once, without a report. ``return_obj_refs`` returns the finished calls'
-        refs; ``mark_healthy``: unhealthy workers that answer are healthy again.
-        """
-        return self._foreach_values(
-            func,
-            kwargs,
-            healthy_only,
-            remote_worker_ids,
-            timeout_seconds,
-            return_obj_refs,
-            mark_healthy,
-            False,
-        )
-
-    def foreach_worker_with_id(
-        self,
-        func: Callable[[int, Any], Any] | str | list[Callable[[int, Any], Any] | str],
-        *,
-        kwargs: dict[str, Any] | None = None,
-        healthy_only: bool = True,
-        remote_worker_ids: list[int] | None = None,
-        timeout_seconds: float | None = None,
-        return_obj_refs: bool = False,
-        mark_healthy: bool = False,
-    ) -> list[Any]:
-        """Like ``foreach_worker`` with ``func(worker_id, worker)``; the id is the rank."""
-        return self._foreach_values(
-            func,
-            kwargs,
-            healthy_only,
-            remote_worker_ids,
-            timeout_seconds,
-            return_obj_refs,
-            mark_healthy,
-            True,
-        )
-
-    def foreach_actor(
-        self,
-        func: Callable[[Any], Any] | str | list[Callable[[Any], Any] | str],
-        *,
-        healthy_only: bool = True,
-        remote_actor_ids: list[int] | None = None,
-        timeout_seconds: float | None = None,
-        return_obj_refs: bool = False,
-        mark_healthy: bool = False,
-        kwargs: dict[str, Any] | None = None,
-    ) -> RemoteCallResults:
-        """RLlib's ``FaultTolerantActorManager.foreach_actor``: every finished call's outcome
-        (``.actor_id``, ``.ok``, ``.get()``: the result or the error), errors included,
-        never raised; calls still running after ``timeout_seconds`` are left out.
-
-        Health follows the group's rule: a dead worker is marked unhealthy; an exception
-        does so only with ``RestartPolicy(restart_on_error=True)`` (RLlib's rule).
-        """
-        results, _, _ = self._foreach(
-            func,
-            kwargs,
-            healthy_only,
-            remote_actor_ids,
-            timeout_seconds,
-            return_obj_refs,
-            mark_healthy,
-        )
-        return results
-
-    def foreach_worker_async(
-        self,
-        func: Callable[[Any], Any] | str | list[Callable[[Any], Any] | str],
-        *,
-        tag: str | None = None,
-        kwargs: dict[str, Any] | None = None,
-        healthy_only: bool = True,
-        remote_worker_ids: list[int] | None = None,
-        max_in_flight_per_worker: int | None = None,
-    ) -> AsyncSubmission:
-        """Start ``func`` on each selected worker without waiting; collect the results
-        with ``fetch_ready_async_reqs``.
-
-        A worker that already has ``max_in_flight_per_worker`` requests of this ``tag``
-        in flight (default ``group.max_requests_in_flight_per_worker``) is not sent one;
-        the returned :class:`~phalanx.group.requests.AsyncSubmission` lists it as skipped
-        (and a warning is logged). ``int(submission)`` is the number of requests sent.
-        """
-        budget = (
-            self.max_requests_in_flight_per_worker
-            if max_in_flight_per_worker is None
-            else max_in_flight_per_worker
-        )
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise ValueError(f"max_in_flight_per_worker must be an int >= 1, got {budget!r}")
-        if tag is not None and not isinstance(tag, str):
-            raise TypeError(f"tag must be a str or None, got {type(tag).__name__}")
-        self._check_live()
-        ranks, func = dispatch.foreach_select(
-            self._all_ranks,
-            self.world_size,
-            func,
-            healthy_only=healthy_only,
-            not_healthy=self._fault.not_healthy,
-            remote_worker_ids=remote_worker_ids,
-        )
-        counts = self._requests.counts(tag)
-        send = [r for r in ranks if counts.get(r, 0) < budget]
-        over = [r for r in ranks if counts.get(r, 0) >= budget]
-        if isinstance(func, list):
-            func = [f for f, r in zip(func, ranks) if r in set(send)]
-        sub = AsyncSubmission(tag=tag, skipped=over)
-        if send:
-            plan = dispatch.foreach(
-                func, send, kwargs, with_id=False, check_method=self._check_method
-            )
-            handle = self._call(
-                plan.method or plan.label, plan.calls, fn=plan.fn, health=self._broadcast_health()
-            )
-            sub.skipped = sorted([*over, *handle.skipped])
-            sub.sent = list(handle.ranks)
-            self._requests.add(tag, handle.method, handle.ranks, handle.refs)
-        if sub.skipped:
-            logger.warning(
-                "group %s: foreach_worker_async(tag=%r) skipped ranks %s (over the in-flight "
-                "budget of %d or unavailable)",
-                self.name,
-                tag,
-                sub.skipped,
-                budget,
-            )
-        return sub
-
-    def foreach_actor_async(
-        self,
-        func: Callable[[Any], Any] | str | list[Callable[[Any], Any] | str],
-        tag: str | None = None,
-        *,
-        healthy_only: bool = True,
-        remote_actor_ids: list[int] | None = None,
-    ) -> int:
-        """RLlib's ``FaultTolerantActorManager.foreach_actor_async``: the number of requests sent."""
-        return int(
-            self.foreach_worker_async(
-                func, tag=tag, healthy_only=healthy_only, remote_worker_ids=remote_actor_ids
-            )
-        )
-
-    def num_in_flight_async_reqs(self, tags: str | list[str] | None = None) -> int:
-        """Async requests sent and not yet fetched (of ``tags``, default all)."""
-        return self._requests.num_in_flight(tags)
-
-    def fetch_ready_async_reqs(
-        self,
-        *,
-        tags: str | list[str] | None = None,
-        timeout_seconds: float | None = 0.0,
-        return_obj_refs: bool = False,
-        mark_healthy: bool = False,
-    ) -> list[tuple[int, Any]]:
-        """``(worker_id, result)`` of the async requests (of ``tags``) that are done.
-
-        Waits up to ``timeout_seconds`` for the requests in flight (``None``: until every
-        one has finished; 0: only what is ready now). A request whose worker raised (or
-        died) raises its error, unless the policy ignores failures (then it is logged and
-        left out). When a fetch raises, every other outcome of it (results and further
-        errors) is held and handed out by the next fetch.
-        """
-        outcomes = self._fetch(tags, timeout_seconds, return_obj_refs, mark_healthy)
-        if not self._fault.policy.ignore_failures:
-            for i, (_, c) in enumerate(outcomes):
-                if not c.ok:
-                    self._requests.hold(outcomes[:i] + outcomes[i + 1 :])
-                    raise c.get()
-        return self._collector.values("async", RemoteCallResults([c for _, c in outcomes]))
-
-    def fetch_ready_async_results(
-        self,
-        *,
-        tags: str | list[str] | None = None,
-        timeout_seconds: float | None = 0.0,
-        return_obj_refs: bool = False,
-        mark_healthy: bool = False,
-    ) -> RemoteCallResults:
-        """RLlib's ``FaultTolerantActorManager.fetch_ready_async_reqs`` form: the outcomes
-        of the done requests (``.actor_id``, ``.ok``, ``.get()``), errors included."""
-        outcomes = self._fetch(tags, timeout_seconds, return_obj_refs, mark_healthy)
-        return RemoteCallResults([c for _, c in outcomes])
-
-    def _fetch(
-        self, tags: Any, timeout_seconds: Any, return_obj_refs: bool, mark_healthy: bool
-    ) -> list:
-        check_tags(tags)
-        timeout = check_timeout(timeout_seconds, "timeout_seconds")
-        return self._requests.fetch(
-            self._collector,
-            tags,
-            timeout,
-            return_obj_refs=return_obj_refs,
-            mark_healthy=mark_healthy,
-        )
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(

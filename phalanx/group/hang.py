@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import ray
 
+from phalanx._base.checks import check_number
 from phalanx._base.errors import GroupTimeoutError
 
 STACKS_TIMEOUT_S = 5.0
@@ -262,10 +263,11 @@ class Watchdog:
     """
 
     def __init__(self, group: Members, after_s: float, stream: Any = None):
-        if isinstance(after_s, bool) or not isinstance(after_s, (int, float)) or after_s <= 0:
-            raise ValueError(f"after_s must be a positive number of seconds, got {after_s!r}")
+        after_s = check_number(after_s, "after_s")
+        if after_s <= 0:
+            raise ValueError(f"after_s must be > 0 seconds, got {after_s:g}")
         self.group_ref = weakref.ref(group)
-        self.after_s = float(after_s)
+        self.after_s = after_s
         self.stream = stream
         self.reports: list[HangReport] = []
         self._calls: list[tuple[float, Watched]] = []

@@ -260,7 +260,7 @@ class Roster:
         self._closed = False
         first = slots[0]
         self.master_address = first.node_ip
-        self.master_port = find_free_port(first.node_ip, first.node_id)
+        self.master_port = find_free_port(first.node_ip, first.node_id, first.port_range)
         self.env_layers = [allowlisted_env(), {}, dict(env_vars)]
         t0 = time.perf_counter()
         if self.builder.isolated:

@@ -14,6 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from phalanx._base.checks import check_tags
 from phalanx.group.collect import Collector
 from phalanx.group.results import CallResult, RemoteCallResults, ResultOrError
 
@@ -38,17 +39,6 @@ class AsyncSubmission:
 
     def __index__(self) -> int:
         return len(self.sent)
-
-
-def check_tags(tags: str | list[str] | None) -> set[str | None] | None:
-    """``None`` (every tag) or the set of wanted tags."""
-    if tags is None:
-        return None
-    if isinstance(tags, str):
-        return {tags}
-    if not isinstance(tags, (list, tuple, set)):
-        raise TypeError(f"tags must be a str, a list of str or None, got {type(tags).__name__}")
-    return set(tags)
 
 
 class AsyncRequests:
@@ -129,6 +119,11 @@ class AsyncRequests:
             collector.mark_healthy(ok_ranks)
         return got
 
+    def drop_rank(self, rank: int) -> None:
+        """Forget ``rank``'s requests in flight (it was taken out of service)."""
+        with self._lock:
+            self._in_flight = {k: v for k, v in self._in_flight.items() if v[1] != rank}
+
     def hold(self, outcomes: list[tuple[str | None, CallResult]]) -> None:
         """Keep ``outcomes`` for the next fetch (ahead of newer ones)."""
         with self._lock:
@@ -141,7 +136,8 @@ class AsyncRequests:
 
 
 def as_results(outcomes: list[tuple[str | None, CallResult]]) -> RemoteCallResults:
+    """The outcomes of a fetch as RLlib's result container."""
     return RemoteCallResults([c for _, c in outcomes])
 
 
-__all__ = ["AsyncRequests", "AsyncSubmission", "check_tags"]
+__all__ = ["AsyncRequests", "AsyncSubmission"]

@@ -13,14 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from phalanx._base.checks import check_int
+
 __all__ = ["NamedSharding"]
-
-
-def _check_int(value: Any, what: str) -> int:
-    """Return ``value`` as an ``int``; TypeError naming ``what`` if it is not an integer."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{what} must be an integer, got {type(value).__name__} ({value!r})")
-    return int(value)
 
 
 class NamedSharding:
@@ -95,9 +90,7 @@ class NamedSharding:
     @classmethod
     def default(cls, n: int) -> NamedSharding:
         """Return the 1-D sharding of ``n`` ranks on one axis ``dp`` (pure data parallel)."""
-        n = _check_int(n, "n")
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
+        n = check_int(n, "n", minimum=1)
         return cls(np.arange(n), ["dp"])
 
     @property
@@ -141,14 +134,14 @@ class NamedSharding:
 
     def contains_worker_id(self, worker_id: int) -> bool:
         """Whether ``worker_id`` is one of this sharding's ranks."""
-        return _check_int(worker_id, "worker_id") in self._coords
+        return check_int(worker_id, "worker_id") in self._coords
 
     def get_worker_coords(self, rank: int) -> dict[str, int]:
         """Coordinates of ``rank`` as axis name -> index (a fresh dict).
 
         A rank that is not in the layout is a ValueError, as in NeMo-RL.
         """
-        rank = _check_int(rank, "rank")
+        rank = check_int(rank, "rank")
         coords = self._coords.get(rank)
         if coords is None:
             raise ValueError(
@@ -162,7 +155,7 @@ class NamedSharding:
         index: list[Any] = [slice(None)] * self.ndim
         for name, value in coords.items():
             axis = self.get_axis_index(name)
-            value = _check_int(value, f"coordinate {name}")
+            value = check_int(value, f"coordinate {name}")
             if not 0 <= value < self._layout.shape[axis]:
                 if not strict:
                     return None

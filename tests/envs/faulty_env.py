@@ -6,7 +6,8 @@
 - ``at_step``: the fault comes at this ``step()`` call of the env (1-based);
 - ``every``: or a fault at every multiple of this many ``step()`` calls;
 - ``mode``: ``"raise"`` (ValueError from ``step``), ``"exit"`` (the runner's process
-  exits) or ``"hang"`` (``step`` blocks for an hour);
+  exits), ``"hang"`` (``step`` blocks for an hour) or ``"nan"`` (``step`` returns a NaN
+  observation);
 - ``once_dir``: if set, each worker index faults only once: a marker file in this
   folder, written just before the fault, stops later incarnations from faulting again.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
 
 
 class FaultyCartPole(gym.Wrapper):
@@ -52,6 +54,9 @@ class FaultyCartPole(gym.Wrapper):
                 os._exit(1)
             if self.mode == "hang":
                 time.sleep(3600)
+            if self.mode == "nan":
+                obs, reward, term, trunc, info = self.env.step(action)
+                return np.full_like(obs, np.nan), reward, term, trunc, info
             raise ValueError(
                 f"simulated env failure on worker {self.worker_index} at step {self.steps}"
             )

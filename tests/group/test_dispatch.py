@@ -208,3 +208,33 @@ def test_shared_payload_put_once():
     assert one == {}  # passed to one rank only: nothing to share
     assert dispatch.approx_nbytes({"a": b"x" * 10}) == 11
     assert dispatch.approx_nbytes(torch.zeros(4, dtype=torch.float64)) == 32
+
+
+def test_approx_nbytes_deep_and_cyclic_values():
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    assert dispatch.approx_nbytes(deep) == dispatch.INLINE_LIMIT  # gave up: assumed big
+    cyclic: dict = {"a": b"x" * 10}
+    cyclic["self"] = cyclic
+    assert dispatch.approx_nbytes(cyclic) == 1 + 10 + 4  # each container looked at once
+    looped: list = [b"y" * 5]
+    looped.append(looped)
+    assert dispatch.approx_nbytes(looped) == 5
+    assert dispatch.approx_nbytes([b"z"] * 10_000) == dispatch.INLINE_LIMIT  # item cap
+    calls = [(r, (cyclic,), {}) for r in range(2)]
+    assert dispatch.shared_values(calls, lambda v: False) == {}  # small: stays inline
+
+
+def test_count_mismatches_are_assertion_and_value_errors():
+    with pytest.raises(AssertionError) as info:
+        dispatch.multiple_data([0, 1], (), {"x": [1]}, None)
+    assert (
+        isinstance(info.value, ValueError)
+        and str(info.value) == "x has 1 entries for 2 called workers"
+    )
+    with pytest.raises(AssertionError, match="a list of 1 functions for 2 workers"):
+        dispatch.foreach_select(
+            [0, 1], 2, [len], healthy_only=True, not_healthy=set(), remote_worker_ids=None
+        )
+    assert dispatch.check_ranks([np.int64(1)], 2, "ranks") == [1]

@@ -17,6 +17,7 @@ import pytest
 import ray
 
 import phalanx as px
+from phalanx.group.fault import FaultState
 from phalanx.group.fault import WorkerHealth as H
 from tests.helpers import until
 
@@ -511,3 +512,30 @@ def test_nemo_face_isolated_builder_restarts(cluster, tmp_path, monkeypatch):
     finally:
         g.shutdown()
         vc.shutdown()
+
+
+class _NoMembers:
+    name = "nobody"
+    launch_timeout_s = 1.0
+
+
+def test_rllib_rule_keeps_a_failed_rank_out_until_it_answers():
+    """``RestartPolicy.rllib``: an exception takes a rank out of service (its process is up,
+    so it stays healthy); only an answer brings it back, counted as RLlib counts."""
+    policy = px.RestartPolicy.rllib(restart=False)
+    assert policy.restart_on_error and policy.until_probed and not policy.restarts_enabled
+    assert px.RestartPolicy.rllib().max_restarts_per_worker == 1000
+    fs = FaultState(_NoMembers(), policy, lambda r: None)
+    fs.reset(3)
+    fs.fail(1, "sample() raised ValueError")
+    fs.fail(2, "sample() stalled", running="a ref still running")
+    assert fs.in_service() == [0]
+    assert fs.health() == [H.HEALTHY] * 3 and fs.recoveries == 0
+    fs.mark_healthy([0, 1])
+    assert fs.in_service() == [0, 1] and fs.recoveries == 1
+    fs.set_in_service(2, True, "set_actor_state")
+    assert fs.in_service() == [0, 1, 2] and fs.recoveries == 2
+    fs.set_in_service(0, False, "set_actor_state")
+    assert fs.in_service() == [1, 2] and fs.health()[0] == H.UNHEALTHY
+    with pytest.raises(TypeError, match="until_probed must be a bool"):
+        px.RestartPolicy(until_probed=1)

@@ -1,0 +1,169 @@
+"""Single-process PPO (CleanRL style: no Ray, no runners): the overhead baseline.
+
+The same hyperparameters (``PPOConfig.for_env``: TUNED plus overrides), network
+(``ActorCritic``), advantage and update code (``phalanx.algorithms.ppo.gae``/
+``ppo_update``), observation normaliser and seeds as ``phalanx train ppo``; the envs are one
+``gymnasium.vector.SyncVectorEnv`` of ``max(num_env_runners, 1) * num_envs_per_env_runner``
+envs stepped in this process, ``rollout_fragment_length`` steps per update, so a batch has
+the same size and layout as phalanx's. Prints the time to ``stop_return`` (start-up
+included: imports, env construction) and its wall-time breakdown; ``--vs-phalanx`` also
+runs ``phalanx.algorithms.ppo.train`` with the same config and prints the ratio (issue 25:
+<= 1.3x on the continuous task, <= 2x on CartPole).
+
+    python benchmarks/ppo_single_process.py --env HalfCheetah-v5 [--seeds 1 2 3] [--vs-phalanx]
+"""
+
+from __future__ import annotations
+
+import time
+
+T_IMPORT = time.perf_counter()
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+from collections import deque  # noqa: E402
+from dataclasses import replace  # noqa: E402
+from typing import Any  # noqa: E402
+
+import gymnasium as gym  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from phalanx.algorithms.ppo import PPOConfig, build_policy, flatten_batches, ppo_update  # noqa: E402
+from phalanx.envs.normalize import RunningMeanStd  # noqa: E402
+
+
+def rollout(env, policy, obs, norm, cfg: PPOConfig, ep: dict[str, Any]) -> tuple[dict, Any]:
+    """``rollout_fragment_length`` steps of every env: a batch as an env runner returns it."""
+    T, N = cfg.rollout_fragment_length, env.num_envs
+    space = env.single_action_space
+    box = isinstance(space, gym.spaces.Box)
+    keys = ("obs", "actions", "logp", "rewards", "terminateds", "truncateds", "values")
+    buf: dict[str, list[np.ndarray]] = {k: [] for k in keys}
+    final = np.zeros((T, N), np.float32)
+    returns: list[float] = []
+    for t in range(T):
+        nobs = _normalize(norm, obs, update=True)
+        a, logp, v = policy.act(torch.from_numpy(nobs))
+        a = a.numpy()
+        obs, r, term, trunc, info = env.step(np.clip(a, space.low, space.high) if box else a)
+        for k, x in zip(keys, (nobs, a, logp.numpy(), r, term, trunc, v.numpy())):
+            buf[k].append(x)
+        ep["ret"] += r
+        for i in np.flatnonzero(term | trunc):
+            returns.append(float(ep["ret"][i]))
+            ep["ret"][i] = 0.0
+        cut = np.flatnonzero(trunc & ~term)
+        if len(cut):  # bootstrap truncated episodes from V(final obs), as the runners do
+            fin = _normalize(norm, np.stack([info["final_obs"][i] for i in cut]), update=False)
+            final[t, cut] = policy.value(torch.from_numpy(fin)).numpy()
+    batch = {k: np.stack(v).astype(np.float32 if k not in ("terminateds", "truncateds") else bool)
+             for k, v in buf.items()}  # fmt: skip
+    if not box:
+        batch["actions"] = batch["actions"].astype(np.int64)
+    batch["final_values"] = final
+    batch["last_values"] = policy.value(torch.from_numpy(_normalize(norm, obs, False))).numpy()
+    batch["episode_returns"] = np.asarray(returns)
+    return batch, obs
+
+
+def _normalize(norm: RunningMeanStd | None, obs: np.ndarray, update: bool) -> np.ndarray:
+    if norm is None:
+        return np.asarray(obs, np.float32)
+    if update:
+        norm.update(obs)
+    return norm.normalize(obs)
+
+
+def train(cfg: PPOConfig) -> dict[str, Any]:
+    """PPO in this process until ``stop_return`` or ``max_timesteps``; a summary dict."""
+    t0 = time.perf_counter()
+    times = {"imports": t0 - T_IMPORT}
+    torch.set_num_threads(cfg.torch_threads)
+    torch.manual_seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    n = max(cfg.num_env_runners, 1) * cfg.num_envs_per_env_runner
+    env = gym.vector.SyncVectorEnv(
+        [lambda: gym.make(cfg.env, disable_env_checker=True, **cfg.env_config)] * n,
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+    )
+    policy = build_policy(cfg, env.single_observation_space, env.single_action_space)
+    optimizer = torch.optim.Adam(
+        policy.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps, foreach=True
+    )
+    norm = (
+        RunningMeanStd(env.single_observation_space.shape) if cfg.normalize_observations else None
+    )
+    obs, _ = env.reset(seed=[cfg.seed + 1000 + i for i in range(n)])
+    ep = {"ret": np.zeros(n)}
+    recent: deque[float] = deque(maxlen=cfg.stop_window)
+    times["start-up"] = time.perf_counter() - t0
+    times["sampling"] = times["learning"] = 0.0
+    timesteps, reached_at = 0, None
+    while timesteps < cfg.max_timesteps:
+        t = time.perf_counter()
+        with torch.inference_mode():
+            batch, obs = rollout(env, policy, obs, norm, cfg, ep)
+        times["sampling"] += time.perf_counter() - t
+        timesteps += batch["rewards"].size
+        recent.extend(batch["episode_returns"])
+        if (
+            cfg.stop_return is not None
+            and len(recent) >= min(cfg.stop_window, cfg.stop_min_episodes)
+            and np.mean(recent) >= cfg.stop_return
+        ):
+            reached_at = time.perf_counter() - T_IMPORT
+            break
+        if cfg.anneal_lr:
+            frac = max(1.0 - timesteps / cfg.max_timesteps, cfg.lr_floor)
+            optimizer.param_groups[0]["lr"] = frac * cfg.learning_rate
+        t = time.perf_counter()
+        ppo_update(policy, optimizer, flatten_batches([batch], cfg), cfg)
+        times["learning"] += time.perf_counter() - t
+    env.close()
+    return {
+        "timesteps": timesteps,
+        "return_mean_recent": float(np.mean(recent)) if recent else float("nan"),
+        "time_to_stop_return_s": reached_at,
+        "wall_time_s": time.perf_counter() - T_IMPORT,
+        "breakdown": times,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--env", default="HalfCheetah-v5")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1])
+    p.add_argument("--max-timesteps", type=int, default=None)
+    p.add_argument("--stop-return", type=float, default=None)
+    p.add_argument("--vs-phalanx", action="store_true", help="also run phalanx's PPO")
+    args = p.parse_args()
+    over = {k: v for k, v in (("max_timesteps", args.max_timesteps),
+                              ("stop_return", args.stop_return)) if v is not None}  # fmt: skip
+    ours, theirs = [], []
+    for seed in args.seeds:
+        cfg = PPOConfig.for_env(args.env, seed=seed, **over)
+        out = train(cfg)
+        ours.append(out["time_to_stop_return_s"] or out["wall_time_s"])
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in out["breakdown"].items())
+        print(f"single process seed {seed}: {out['timesteps']} steps, return "
+              f"{out['return_mean_recent']:.1f}, to stop {out['time_to_stop_return_s']}, "
+              f"wall {out['wall_time_s']:.1f}s ({parts})")  # fmt: skip
+        if args.vs_phalanx:
+            from phalanx.algorithms.ppo import train as px_train
+
+            with tempfile.TemporaryDirectory() as d:
+                res = px_train(replace(cfg, runs_dir=d, name=f"s{seed}"), progress=False)
+            theirs.append(res["time_to_stop_return_s"] or res["wall_time_s"])
+            print(f"phalanx seed {seed}: {res['timesteps']} steps, return "
+                  f"{res['return_mean_recent']:.1f}, to stop {res['time_to_stop_return_s']}, "
+                  f"wall {res['wall_time_s']:.1f}s")  # fmt: skip
+    print(f"single process: median {statistics.median(ours):.1f}s over seeds {args.seeds}")
+    if theirs:
+        print(f"phalanx: median {statistics.median(theirs):.1f}s; ratio phalanx / single process "
+              f"{statistics.median(theirs) / statistics.median(ours):.2f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
