@@ -16,6 +16,14 @@ the total over ``target_weight``, and stops once the total reaches it (with weig
 ``str(channel)`` shows the items queued under each key. A ``get`` that times out is
 withdrawn, so no item is handed to a receive nobody waits for. After ``close`` every
 operation raises ``ChannelClosedError``.
+
+A channel actor that stops answering (stopped, overloaded) is not a closed channel: a
+``get(timeout=t)`` raises ``TimeoutError`` after about ``t`` s (at most one second more,
+spent asking the actor to withdraw it) saying the actor did not answer; an item the actor
+hands out for it later goes back to the front of its key. Operations waiting when the
+actor stays silent for ``peer_timeout_s`` fail with ``PeerTimeoutError``; the handle keeps
+working once the actor answers again. Only a closed channel or a dead actor raises
+``ChannelClosedError``.
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ from typing import Any
 
 import ray
 
-from phalanx._base import trace as _trace
+from phalanx._base.checks import check_int, check_name, check_number, check_timeout
 from phalanx.comm.endpoint import ACTOR_NAMESPACE, get_endpoint
 from phalanx.comm.errors import (
     ChannelClosedError,
@@ -39,14 +47,17 @@ from phalanx.comm.errors import (
     ChannelFull,
     CommError,
     PeerDiedError,
+    PeerTimeoutError,
 )
 from phalanx.comm.wire import encode
 from phalanx.comm.work import Work
+from phalanx.observe import trace as _trace
 
 DEFAULT_KEY = "default_queue"  # RLinf's name of the default queue
 _PREFIX = "px-channel:"
 _OWNED: dict[str, Any] = {}  # actor handles of channels created by this process (keep them alive)
 _CLOSED = "__px_closed__"  # the server's notice to its clients that the channel was closed
+CANCEL_GRACE_S = 1.0  # how long a timed-out get waits for the actor to withdraw it
 
 
 @dataclass
@@ -144,12 +155,15 @@ class _ChannelServer:
             else:
                 self.putters[key].append((client, req, a, b))
             self._serve(key, replies)
+        elif op == "requeue":  # items a client got too late, back to the front in order
+            q.extendleft(reversed(a))
+            self._serve(key, replies)
         elif op in ("get", "get_batch"):
             self.getters[key].append(_Getter(client, req, b if op == "get_batch" else None))
             self._serve(key, replies)
         elif op == "get_nowait":
             if q and not self.getters[key]:
-                replies.append((client, req, True, q.popleft()[0]))
+                replies.append((client, req, True, q.popleft()))
                 self._refill(key, replies)
             else:
                 empty = ChannelEmpty(f"channel {self.name!r} key {key!r} is empty")
@@ -202,7 +216,7 @@ class _ChannelServer:
                 if not q:
                     return
                 getters.popleft()
-                replies.append((g.client, g.req, True, q.popleft()[0]))
+                replies.append((g.client, g.req, True, q.popleft()))
                 continue
             done = False
             while q and not done:
@@ -218,11 +232,16 @@ class _ChannelServer:
             if not done:
                 return  # waits for more items, holding what it took (as RLinf's does)
             getters.popleft()
-            replies.append((g.client, g.req, True, [item for item, _ in g.batch]))
+            replies.append((g.client, g.req, True, g.batch))
 
 
 class _Client:
-    """This process's connection to one channel: request ids and reply futures."""
+    """This process's connection to one channel: request ids and reply futures.
+
+    Replies to gets carry ``(item, weight)`` pairs; a get given up on (its caller timed
+    out and the actor did not withdraw it) is ``abandoned``: what the actor hands out for
+    it later is put back at the front of its key.
+    """
 
     _clients: dict[str, _Client] = {}
     _lock = threading.Lock()
@@ -233,6 +252,7 @@ class _Client:
         self.ep = get_endpoint()
         self.ids = itertools.count()
         self.pending: dict[int, concurrent.futures.Future] = {}
+        self.abandoned: dict[int, Any] = {}  # request id -> key
         self.plock = threading.Lock()
         self.closed: CommError | None = None
         self.ep.set_handler(server, self._on_reply)
@@ -247,11 +267,8 @@ class _Client:
             return client
 
     def _on_reply(self, peer: str, msg: Any) -> None:
-        if isinstance(msg, BaseException):
+        if isinstance(msg, BaseException):  # the connection broke or the actor went silent
             err = msg if isinstance(msg, CommError) else PeerDiedError(peer, str(msg))
-            self.closed = ChannelClosedError(
-                peer, f"channel {self.name!r} is closed or its actor died ({err})"
-            )
             with self.plock:
                 futs, self.pending = list(self.pending.values()), {}
             for f in futs:
@@ -264,16 +281,37 @@ class _Client:
             return
         with self.plock:
             fut = self.pending.pop(req, None)
-        if fut is None:
+            key = self.abandoned.pop(req, None)
+        if key is not None and ok and value:
+            self._send("requeue", -1, key, value if isinstance(value, list) else [value])
+        if fut is None or fut.done():
             return
         if ok:
             fut.set_result(value)
         else:
             fut.set_exception(value)
 
+    def _send(
+        self, op: str, req: int, key: Any, a: Any = None, b: Any = None, sync: bool = False
+    ) -> Work:
+        return self.ep.send(self.server, encode((op, req, key, a, b)), async_op=not sync)
+
     def request(
-        self, what: str, op: str, key: Any, a: Any = None, b: Any = None, reply: bool = True
+        self,
+        what: str,
+        op: str,
+        key: Any,
+        a: Any = None,
+        b: Any = None,
+        reply: bool = True,
+        post: Any = None,
+        sync: bool = True,
     ) -> tuple[int, Work]:
+        """Send one request; its reply completes the returned work (``post`` maps it).
+
+        ``sync=False`` sends from the connection's thread (a failed send fails the
+        request), so a caller with a timeout is not held by a silent actor's connection.
+        """
         if self.closed is not None:
             raise self.closed
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -281,32 +319,72 @@ class _Client:
         if reply:
             with self.plock:
                 self.pending[req] = fut
-        try:
-            self.ep.send(self.server, encode((op, req, key, a, b)), async_op=False)
-        except BaseException as e:
-            with self.plock:
-                self.pending.pop(req, None)
-            if isinstance(e, PeerDiedError):
-                raise ChannelClosedError(
-                    self.server, f"channel {self.name!r} is closed or its actor died ({e})"
-                ) from None
-            raise
+        if sync or not reply:
+            try:
+                self._send(op, req, key, a, b, sync=True)
+            except BaseException as e:
+                with self.plock:
+                    self.pending.pop(req, None)
+                if isinstance(e, PeerDiedError):
+                    raise self._dead(e) from None
+                raise
+        else:
+            self._send(op, req, key, a, b).add_done_callback(lambda f: self._sent(req, f))
         if not reply:
             fut.set_result(None)
-        return req, Work(what, fut)
+        return req, Work(what, fut, post)
+
+    def _dead(self, e: PeerDiedError) -> CommError:
+        if isinstance(e, PeerTimeoutError):
+            return e
+        return ChannelClosedError(
+            self.server, f"channel {self.name!r} is closed or its actor died ({e})"
+        )
+
+    def _sent(self, req: int, f: concurrent.futures.Future) -> None:
+        err = f.exception()
+        if err is None:
+            return
+        with self.plock:
+            fut = self.pending.pop(req, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(self._dead(err) if isinstance(err, PeerDiedError) else err)
 
     def wait_or_withdraw(self, req: int, work: Work, key: Any, timeout: float | None) -> Any:
         """Wait for a parked get; on timeout withdraw it, unless the item is already on its way."""
         try:
             return work.wait(timeout)
         except TimeoutError:
-            _, cancel = self.request("cancel", "cancel", key, req)
-            if cancel.wait(60):
-                with self.plock:
-                    self.pending.pop(req, None)
-                raise
-            # Not parked any more: its reply was sent before the cancel's answer.
-            return work.wait(60)
+            pass
+        try:
+            _, cancel = self.request("cancel", "cancel", key, req, sync=False)
+            withdrawn = cancel.wait(CANCEL_GRACE_S)
+        except (TimeoutError, CommError):
+            with self.plock:
+                abandoned = self.pending.pop(req, None) is not None
+                if abandoned:
+                    self.abandoned[req] = key
+            if not abandoned:  # its reply came in the meantime
+                return work.wait(0)
+            raise TimeoutError(
+                f"get from channel {self.name!r} did not complete within {timeout}s and the "
+                f"channel's actor ({self.server}) did not answer within {CANCEL_GRACE_S}s "
+                "more: it is not dead but not answering (stopped or overloaded); the channel "
+                "stays usable"
+            ) from None
+        if withdrawn:
+            with self.plock:
+                self.pending.pop(req, None)
+            raise TimeoutError(f"get from channel {self.name!r} got no item within {timeout}s")
+        return work.wait(60)  # not parked any more: its reply came before the cancel's
+
+
+def _item(pair: tuple[Any, float]) -> Any:
+    return pair[0]
+
+
+def _items(pairs: list[tuple[Any, float]]) -> list[Any]:
+    return [item for item, _ in pairs]
 
 
 class Channel:
@@ -339,15 +417,13 @@ class Channel:
         ``distributed=True`` (one replica per node) and ``local=True`` (in-process only)
         are not supported: they raise ``NotImplementedError``.
         """
-        _check_name(name)
+        check_name(name, "name")
         if node_id is not None:
             if node_rank != 0:
                 raise ValueError("give node_rank or node_id (its older name), not both")
             node_rank = node_id
-        if isinstance(node_rank, bool) or not isinstance(node_rank, int) or node_rank < 0:
-            raise ValueError(f"node_rank must be a non-negative int, got {node_rank!r}")
-        if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 0:
-            raise ValueError(f"maxsize must be a non-negative int, got {maxsize!r}")
+        check_int(node_rank, "node_rank", minimum=0)
+        check_int(maxsize, "maxsize", minimum=0)
         if distributed:
             raise NotImplementedError(
                 "distributed=True: phalanx channels have one actor; per-node replicas are "
@@ -389,7 +465,7 @@ class Channel:
 
         ``current_worker`` is accepted for RLinf's signature; phalanx does not need it.
         """
-        _check_name(name)
+        check_name(name, "name")
         try:
             actor = ray.get_actor(_PREFIX + name, namespace=ACTOR_NAMESPACE)
         except ValueError:
@@ -437,7 +513,7 @@ class Channel:
         self, item: Any, weight: float = 0, key: Any = DEFAULT_KEY, async_op: bool = False
     ) -> Work | None:
         """Append ``item`` (with ``weight``, for ``get_batch``) to ``key``'s queue; waits while it is full."""
-        _check_weight(weight)
+        check_number(weight, "weight", minimum=0)
         bounded = self.maxsize > 0
         t0 = time.perf_counter() if _trace.ON else 0.0
         _, work = self._client().request(
@@ -454,7 +530,7 @@ class Channel:
 
     def put_nowait(self, item: Any, weight: float = 0, key: Any = DEFAULT_KEY) -> None:
         """Append ``item`` or raise ``ChannelFull`` (an ``asyncio.QueueFull``) at once."""
-        _check_weight(weight)
+        check_number(weight, "weight", minimum=0)
         _, work = self._client().request(
             f"put_nowait to {self.name!r}", "put_nowait", key, item, weight
         )
@@ -467,10 +543,11 @@ class Channel:
 
         With ``timeout`` a synchronous get raises ``TimeoutError`` and is withdrawn.
         """
-        _check_timeout(timeout)
+        check_timeout(timeout)
         t0 = time.perf_counter() if _trace.ON else 0.0
         client = self._client()
-        req, work = client.request(f"get from channel {self.name!r}", "get", key)
+        what = f"get from channel {self.name!r}"
+        req, work = client.request(what, "get", key, post=_item, sync=timeout is None)
         if async_op:
             return work
         item = client.wait_or_withdraw(req, work, key, timeout)
@@ -482,7 +559,8 @@ class Channel:
 
     def get_nowait(self, key: Any = DEFAULT_KEY) -> Any:
         """The oldest item of ``key`` or ``ChannelEmpty`` (an ``asyncio.QueueEmpty``) at once."""
-        _, work = self._client().request(f"get_nowait from {self.name!r}", "get_nowait", key)
+        what = f"get_nowait from {self.name!r}"
+        _, work = self._client().request(what, "get_nowait", key, post=_item)
         return work.wait()
 
     def get_batch(
@@ -493,16 +571,12 @@ class Channel:
         timeout: float | None = None,
     ) -> Any:
         """The oldest items of ``key`` up to ``target_weight`` in total (a list; see the module doc)."""
-        if (
-            isinstance(target_weight, bool)
-            or not isinstance(target_weight, (int, float))
-            or target_weight < 0
-        ):
-            raise ValueError(f"target_weight must be a non-negative number, got {target_weight!r}")
-        _check_timeout(timeout)
+        check_number(target_weight, "target_weight", minimum=0)
+        check_timeout(timeout)
         client = self._client()
+        what = f"get_batch from {self.name!r}"
         req, work = client.request(
-            f"get_batch from {self.name!r}", "get_batch", key, None, target_weight
+            what, "get_batch", key, None, target_weight, post=_items, sync=timeout is None
         )
         return work if async_op else client.wait_or_withdraw(req, work, key, timeout)
 
@@ -519,23 +593,6 @@ class Channel:
     def peek_all(self) -> dict[Any, list[Any]]:
         """Every queued item, per key, oldest first, without taking them."""
         return self._client().request("peek_all", "peek_all", None)[1].wait()
-
-
-def _check_name(name: Any) -> None:
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty string, got {name!r}")
-
-
-def _check_weight(weight: Any) -> None:
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
-        raise ValueError(f"weight must be a non-negative number, got {weight!r}")
-
-
-def _check_timeout(timeout: Any) -> None:
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0
-    ):
-        raise ValueError(f"timeout must be None or a non-negative number, got {timeout!r}")
 
 
 def create_channel(

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from phalanx._base.address import WorkerAddress
+from phalanx._base.checks import check_name, check_timeout
 from phalanx.comm.config import CONFIG
 from phalanx.comm.endpoint import KV_NAMESPACE, get_endpoint
 from phalanx.comm.errors import CommError
+from phalanx.comm.options import CollectiveGroupOptions, check_options
 from phalanx.comm.process_group import host_store, join_store, make_process_group
 
 _groups: dict[tuple, CollectiveGroup] = {}
@@ -81,9 +83,18 @@ def get_group(
     backend: str = "gloo",
     tag: str = "",
     timeout_s: float | None = None,
+    options: CollectiveGroupOptions | None = None,
 ) -> CollectiveGroup:
-    """This worker's ``CollectiveGroup`` over ``members`` (created on first call, then cached)."""
+    """This worker's ``CollectiveGroup`` over ``members`` (created on first call, then cached).
+
+    ``timeout_s``: how long members wait for each other to join (default
+    ``rendezvous_timeout_s``); ``options``: a ``CollectiveGroupOptions`` (its ``timeout_s``
+    bounds each operation of the group, its NCCL settings shape an NCCL group).
+    """
     names = _names(members)
+    check_options(options)
+    check_name(backend, "backend")
+    timeout_s = check_timeout(timeout_s, "timeout_s")
     if backend == "auto":
         import torch
 
@@ -95,18 +106,18 @@ def get_group(
         raise ValueError(f"members: this worker ({ep.name}) is not one of {list(names)}")
     for n in names:
         ep.check_peer_exists(n)
-    cache_key = (names, backend, tag)
+    cache_key = (names, backend, tag, repr(options))
     with _lock:
         group = _groups.get(cache_key)
         if group is not None:
             return group
-        group = _create(ep, names, backend, tag, timeout_s or CONFIG.rendezvous_timeout_s)
+        group = _create(ep, names, backend, tag, timeout_s or CONFIG.rendezvous_timeout_s, options)
         _groups[cache_key] = group
         return group
 
 
 def _create(
-    ep: Any, names: tuple[str, ...], backend: str, tag: str, timeout_s: float
+    ep: Any, names: tuple[str, ...], backend: str, tag: str, timeout_s: float, options: Any
 ) -> CollectiveGroup:
     from ray.experimental import internal_kv
 
@@ -133,7 +144,7 @@ def _create(
                     break
             now = time.monotonic()
             if now > next_check:
-                ep._check_alive(names[0])
+                ep.check_alive(names[0])
                 next_check = now + CONFIG.peer_check_interval_s
             if now > deadline:
                 raise CommError(
@@ -150,6 +161,7 @@ def _create(
         prefix=f"{digest}/{tag}",
         ip=ep.info.ip,
         timeout_s=max(CONFIG.connect_timeout_s, 1800),
+        options=options,
     )
     group = CollectiveGroup(names, rank, backend, pg)
     group._store = store  # keep the store alive as long as the group

@@ -16,6 +16,16 @@ thresholds of the transport decision (see ``wire.select_transport``).
 1 GiB): how many reusable buffers, of how many bytes in all, this process keeps per peer:
 shared-memory segments for what it sends (``shm.SegmentPool``), receive buffers for what
 arrives through gloo (``buffers.BufferPool``).
+``PHALANX_COMM_MAX_FRAME_BYTES`` (default 256 MiB): the largest frame (pickled metadata
+plus inline bytes) a connection may announce; tensors and large buffers travel outside
+the frame (shared memory, gloo), so normal frames are kilobytes. A larger header breaks
+the connection. ``PHALANX_COMM_MAX_HANDSHAKES`` (default 64): connections that may be in
+their authentication handshake at once; more are closed at once.
+``PHALANX_COMM_BIND_ADDRESS`` (default: unset): the address phalanx's listeners (and the
+TCP stores and gloo groups they start) bind to; unset, the node address Ray uses.
+``px.Cluster(_node_ip_address="127.0.0.1")`` sets it for the Ray it starts (Ray itself
+replaces a loopback node address by the machine's network address), so a single-machine
+run stays on loopback. It is read when an endpoint starts.
 """
 
 from __future__ import annotations
@@ -42,6 +52,8 @@ class CommConfig:
     inline_max_bytes: int = 1024 * 1024
     pool_slots: int = 4
     pool_bytes: int = 1 << 30
+    max_frame_bytes: int = 256 << 20
+    max_handshakes: int = 64
 
 
 def _from_env() -> CommConfig:
@@ -55,10 +67,18 @@ def _from_env() -> CommConfig:
         inline_max_bytes=int(_env_float("PHALANX_COMM_INLINE_MAX_BYTES", 1024 * 1024)),
         pool_slots=int(_env_float("PHALANX_COMM_POOL_SLOTS", 4)),
         pool_bytes=int(_env_float("PHALANX_COMM_POOL_BYTES", 1 << 30)),
+        max_frame_bytes=int(_env_float("PHALANX_COMM_MAX_FRAME_BYTES", 256 << 20)),
+        max_handshakes=int(_env_float("PHALANX_COMM_MAX_HANDSHAKES", 64)),
     )
 
 
 CONFIG = _from_env()
+BIND_ADDRESS_ENV = "PHALANX_COMM_BIND_ADDRESS"
+
+
+def bind_address() -> str:
+    """``PHALANX_COMM_BIND_ADDRESS`` now ("" when unset: use Ray's node address)."""
+    return os.environ.get(BIND_ADDRESS_ENV, "").strip()
 
 
 def configure(**changes: float | int | bool) -> CommConfig:

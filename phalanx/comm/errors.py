@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import queue
 
 
@@ -22,6 +23,14 @@ class PeerDiedError(CommError):
     """The peer process died (or stopped answering) while an operation waited on it."""
 
 
+class PeerTimeoutError(PeerDiedError):
+    """The peer's actor is alive but did not answer for ``peer_timeout_s`` (stopped, overloaded).
+
+    A ``PeerDiedError`` for callers that treat both alike; the operations waiting on the
+    peer fail, later ones try again (they work once the peer answers).
+    """
+
+
 class PeerNotFoundError(CommError, ValueError):
     """No live worker (or channel) has that name."""
 
@@ -32,6 +41,27 @@ class AuthenticationError(CommError):
 
 class ChannelClosedError(CommError):
     """The channel was closed (or its actor died): nothing can be put into it or taken from it."""
+
+
+class ShmFullError(OSError):
+    """A shared-memory segment could not be created: ``/dev/shm`` lacks the space.
+
+    An ``OSError`` (errno ``ENOSPC``) naming ``/dev/shm``, the bytes needed and the bytes
+    free, so callers can catch it and fall back to another transport.
+    """
+
+    def __init__(self, path: str, needed: int, free: int | None):
+        self.path, self.needed, self.free = path, needed, free
+        free_text = "unknown" if free is None else f"{free:,} bytes ({free / 2**20:.1f} MiB)"
+        super().__init__(
+            errno.ENOSPC,
+            f"/dev/shm is full: a shared-memory segment of {needed:,} bytes "
+            f"({needed / 2**20:.1f} MiB) does not fit, free: {free_text}",
+            path,
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.needed, self.free))
 
 
 class ChannelEmpty(asyncio.QueueEmpty, queue.Empty):

@@ -41,8 +41,8 @@ class CommMixin:
     ) -> Work | None:
         """Send any picklable object (tensors inside travel as raw bytes) to a worker.
 
-        ``options`` (RLinf's NCCL tuning) has no effect; ``piggyback_payload=p`` makes the
-        receiver's ``recv`` return ``(object, p)``, as in RLinf.
+        ``options``: a ``CollectiveGroupOptions`` (see ``phalanx.comm.options``);
+        ``piggyback_payload=p`` makes the receiver's ``recv`` return ``(object, p)``, as in RLinf.
         """
         from phalanx.comm import p2p
 
@@ -66,7 +66,9 @@ class CommMixin:
         """The next object sent by that worker to this one (a ``Work`` if ``async_op``)."""
         from phalanx.comm import p2p
 
-        return p2p.recv(src_group_name, src_rank, async_op=async_op, timeout=timeout)
+        return p2p.recv(
+            src_group_name, src_rank, async_op=async_op, options=options, timeout=timeout
+        )
 
     def send_tensor(
         self,
@@ -79,7 +81,7 @@ class CommMixin:
         """Send one tensor for the receiver's ``recv_tensor`` into its own buffer."""
         from phalanx.comm import p2p
 
-        return p2p.send_tensor(tensor, dst_group_name, dst_rank, async_op=async_op)
+        return p2p.send_tensor(tensor, dst_group_name, dst_rank, async_op=async_op, options=options)
 
     def recv_tensor(
         self,
@@ -93,7 +95,9 @@ class CommMixin:
         """Receive in place into ``tensor``; a dtype/size mismatch raises ``ValueError``."""
         from phalanx.comm import p2p
 
-        return p2p.recv_tensor(tensor, src_group_name, src_rank, async_op=async_op, timeout=timeout)
+        return p2p.recv_tensor(
+            tensor, src_group_name, src_rank, async_op=async_op, options=options, timeout=timeout
+        )
 
     def broadcast(
         self,

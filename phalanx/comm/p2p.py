@@ -8,10 +8,11 @@ posted before its counterpart; messages between a pair arrive in send order.
 With ``async_op=True`` the call returns a ``Work`` (``wait``, ``done``, ``async_wait``);
 for an async send, do not modify the tensors until the work is done.
 
-RLinf's signatures: ``options`` (RLinf's ``CollectiveGroupOptions``, NCCL tuning) is
-accepted and has no effect: phalanx's CPU paths (socket, shared memory, gloo) have nothing
-to tune and its per-pair NCCL groups use NCCL's defaults. ``send(..., piggyback_payload=p)``
-delivers ``(object, p)`` to the receiver's ``recv``, as RLinf does.
+RLinf's signatures: ``options`` is a ``CollectiveGroupOptions`` (``options.py``) or None;
+a sender's options shape the NCCL group of its pair when that group is first built (the
+CPU paths, socket, shared memory and gloo, have nothing to tune); a receiver's are checked
+only. ``send(..., piggyback_payload=p)`` delivers ``(object, p)`` to the receiver's
+``recv``, as RLinf does.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import threading
 from typing import Any
 
 from phalanx._base.address import WorkerAddress
+from phalanx._base.checks import check_int, check_timeout
 from phalanx.comm import shm
-from phalanx.comm.endpoint import blob_bytes, get_endpoint, same_node_shm
-from phalanx.comm.wire import Outgoing, encode, encode_raw
+from phalanx.comm.config import CONFIG
+from phalanx.comm.endpoint import get_endpoint
+from phalanx.comm.options import check_options
+from phalanx.comm.wire import Outgoing, blob_bytes, encode, encode_raw, same_node_shm
 from phalanx.comm.work import Work
 
 
@@ -36,14 +40,7 @@ def peer_name(group: str | WorkerAddress, rank: int | None, arg: str = "group_na
         raise TypeError(f"{arg} must be a non-empty str or a WorkerAddress, got {group!r}")
     if rank is None:
         raise ValueError(f"a rank is needed with {arg}={group!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"rank must be a non-negative int, got {rank!r}")
-    return f"{group}:{rank}"
-
-
-def _check_timeout(timeout: float | None) -> None:
-    if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
-        raise ValueError(f"timeout must be None or a non-negative number, got {timeout!r}")
+    return f"{group}:{check_int(rank, 'rank', minimum=0)}"
 
 
 def _tensor(t: Any, arg: str) -> Any:
@@ -64,11 +61,14 @@ def send(
 ) -> Work | None:
     """Send ``obj`` to worker ``dst_rank`` of ``dst_group_name``."""
     peer = peer_name(dst_group_name, dst_rank, "dst_group_name")
+    check_options(options)
     if piggyback_payload is not None:
         obj = (obj, piggyback_payload)
     ep = get_endpoint()
     ep.check_peer_exists(peer)
-    work = ep.send(peer, encode(obj), async_op=async_op)
+    msg = encode(obj)
+    msg.options = options
+    work = ep.send(peer, msg, async_op=async_op)
     return work if async_op else None
 
 
@@ -81,7 +81,8 @@ def recv(
 ) -> Any:
     """The next message from worker ``src_rank`` of ``src_group_name`` (a ``Work`` if async)."""
     peer = peer_name(src_group_name, src_rank, "src_group_name")
-    _check_timeout(timeout)
+    check_timeout(timeout)
+    check_options(options)
     ep = get_endpoint()
     ep.check_peer_exists(peer)
     if async_op:
@@ -99,9 +100,12 @@ def send_tensor(
     """Send one tensor for the peer's ``recv_tensor`` (no pickled metadata)."""
     _tensor(tensor, "tensor")
     peer = peer_name(dst_group_name, dst_rank, "dst_group_name")
+    check_options(options)
     ep = get_endpoint()
     ep.check_peer_exists(peer)
-    work = ep.send(peer, encode_raw(tensor), async_op=async_op)
+    msg = encode_raw(tensor)
+    msg.options = options
+    work = ep.send(peer, msg, async_op=async_op)
     return work if async_op else None
 
 
@@ -118,7 +122,8 @@ def recv_tensor(
     if not tensor.is_contiguous():
         raise ValueError("tensor: recv_tensor needs a contiguous buffer")
     peer = peer_name(src_group_name, src_rank, "src_group_name")
-    _check_timeout(timeout)
+    check_timeout(timeout)
+    check_options(options)
     ep = get_endpoint()
     ep.check_peer_exists(peer)
     if async_op:
@@ -195,10 +200,11 @@ def broadcast(
     The source's ``object`` is what every member returns (the others pass ``None``). The
     source encodes the object once and sends it to the other members concurrently; tensors
     for members on its node go through shared memory. ``options`` is accepted for RLinf's
-    signature (NCCL tuning; no effect on gloo/shared memory). Members must call their
+    signature (see the module docstring). Members must call their
     broadcasts (and sends/recvs with each other) in the same order.
     """
     members = _members(groups)
+    check_options(options)
     ep = get_endpoint()
     if ep.name not in members:
         raise ValueError(f"groups: this worker ({ep.name}) is not one of the members {members}")
@@ -211,13 +217,14 @@ def broadcast(
     for t in targets:
         ep.check_peer_exists(t)
     msg = encode(object)
+    msg.options = options
     local = [t for t in targets if _on_my_node(ep, t)]
     names = _share_on_node(msg, local) if len(local) > 1 else {}
     works = []
     for t in targets:
         w = ep.send(t, msg, async_op=True)
         if t in names:  # a send that failed leaves its reader's name behind: remove it
-            w._future.add_done_callback(
+            w.add_done_callback(
                 lambda f, path=names[t]: shm.unlink(path) if f.exception() else None
             )
         works.append(w)
@@ -237,7 +244,7 @@ def _share_on_node(msg: Outgoing, peers: list[str]) -> dict[str, str]:
     maps it, so the memory is freed once every reader lets go; a name whose reader never
     came is reaped with this process (``shm.reap_orphans``). Returns peer -> name.
     """
-    index = [i for i, b in enumerate(msg.blobs) if same_node_shm(b)]
+    index = [i for i, b in enumerate(msg.blobs) if same_node_shm(b, CONFIG)]
     if not index:
         return {}
     try:
@@ -282,5 +289,5 @@ class _AllWork(Work):
         if not parts:
             fut.set_result(value)
         for p in parts:
-            p._future.add_done_callback(_one)
+            p.add_done_callback(_one)
         super().__init__(what, fut)

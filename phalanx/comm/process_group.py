@@ -48,11 +48,14 @@ def make_process_group(
     prefix: str = "",
     ip: str | None = None,
     timeout_s: float = 1800.0,
+    options: Any = None,
 ) -> Any:
     """A gloo or NCCL process group of ``size`` ranks on ``store`` (under ``prefix``).
 
     Gloo binds to ``ip`` when given (the node's own address, never all interfaces).
-    Every operation of the group times out after ``timeout_s``.
+    Every operation of the group times out after ``timeout_s`` (``options.timeout_s``
+    when set); NCCL takes the accelerator settings of ``options``
+    (a ``CollectiveGroupOptions``).
     """
     import torch.distributed as dist
 
@@ -60,6 +63,8 @@ def make_process_group(
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
     if prefix:
         store = dist.PrefixStore(prefix, store)
+    if options is not None and options.timeout_s is not None:
+        timeout_s = options.timeout_s
     timeout = _timeout(timeout_s)
     if backend == GLOO:
         opts = dist.ProcessGroupGloo._Options()
@@ -71,6 +76,8 @@ def make_process_group(
         return dist.ProcessGroupGloo(store, rank, size, opts)
     opts = dist.ProcessGroupNCCL.Options()
     opts._timeout = timeout
+    if options is not None:
+        options.apply_nccl(opts)
     return dist.ProcessGroupNCCL(store, rank, size, opts)
 
 
@@ -82,3 +89,13 @@ def broadcast(pg: Any, tensor: Any, root: int = 0) -> Any:
     opts.rootRank = root
     opts.rootTensor = 0
     return pg.broadcast([tensor], opts)
+
+
+def make_pair_group(
+    backend: str, store: Any, key: str, rank: int, ip: str, connect_s: float, options: Any = None
+) -> Any:
+    """The two-rank process group of one point-to-point direction (rank 0 sends)."""
+    timeout_s = max(connect_s, 1800)
+    return make_process_group(
+        backend, store, rank, 2, prefix=key, ip=ip, timeout_s=timeout_s, options=options
+    )

@@ -9,8 +9,9 @@ message is freed, so a received tensor stays valid for as long as it lives. When
 slot is in use (the receiver keeps its tensors) and the pool is at its limits, a message
 goes in a one-shot segment that the receiver owns. Either way the receiver unlinks the
 name once it has mapped it, so nothing is left in ``/dev/shm`` once both sides let go.
-``posix_fallocate`` reserves the space up front so a full ``/dev/shm`` is an ``OSError``
-(and the caller falls back to a socket transport), never a ``SIGBUS`` while writing.
+``posix_fallocate`` reserves the space up front so a full ``/dev/shm`` is a
+``ShmFullError`` (an ``OSError`` naming ``/dev/shm``, the size needed and the space free;
+the caller falls back to a socket transport), never a ``SIGBUS`` while writing.
 
 ``share_tensors`` / ``ShmHandle`` and ``Segment`` (a named, mapped file kept across
 sends, e.g. the weight sender's buffers) are the helpers other layers use; nothing
@@ -28,6 +29,7 @@ unlink what they still own at exit.
 from __future__ import annotations
 
 import atexit
+import errno
 import functools
 import itertools
 import mmap
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from phalanx.comm.buffers import Recycler, lease
+from phalanx.comm.errors import ShmFullError
 
 if TYPE_CHECKING:
     import torch
@@ -53,6 +56,15 @@ _created_lock = threading.Lock()
 def shm_supported() -> bool:
     """True where a tmpfs ``/dev/shm`` exists (Linux)."""
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+def shm_free_bytes() -> int | None:
+    """Bytes free in ``/dev/shm`` for this process (None where it cannot be read)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
 
 
 def aligned(n: int) -> int:
@@ -128,9 +140,11 @@ def _create(tag: str, size: int, path: str | None = None) -> str:
             _created.intersection_update({p for p in _created if os.path.exists(p)})
     try:
         os.posix_fallocate(fd, 0, size)
-    except OSError:
+    except OSError as e:
         os.close(fd)
         unlink(path)
+        if e.errno == errno.ENOSPC:
+            raise ShmFullError(path, size, shm_free_bytes()) from None
         raise
     os.close(fd)
     return path

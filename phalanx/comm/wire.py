@@ -83,6 +83,7 @@ class Outgoing:
     blobs: list[Blob] = field(default_factory=list)
     desc: str = ""
     shared: dict[str, tuple[Any, dict[int, int]]] = field(default_factory=dict)
+    options: Any = None  # CollectiveGroupOptions for the pair's process group, if it is new
 
 
 def tensor_blob(t: Any) -> Blob:
@@ -100,7 +101,12 @@ def tensor_blob(t: Any) -> Blob:
 
 
 def _torch():
-    return sys.modules.get("torch")
+    """torch if this process imported it (waiting for an import in progress in another thread)."""
+    if "torch" not in sys.modules:
+        return None
+    import torch
+
+    return torch
 
 
 class _Pickler(pickle.Pickler):
@@ -153,3 +159,37 @@ def decode(skeleton: bytes, values: list[Any], specs: list[tuple]) -> Any:
     tensors = {i: v for i, (v, s) in enumerate(zip(values, specs)) if s[0]}
     buffers = [v for v, s in zip(values, specs) if not s[0]]
     return _Unpickler(io.BytesIO(skeleton), tensors, buffers).load()
+
+
+def torch_module() -> Any:
+    import torch
+
+    return torch
+
+
+def dtype_of(name: str) -> Any:
+    """The torch dtype called ``name`` (as in a blob's spec)."""
+    return getattr(torch_module(), name)
+
+
+def flat_u8(t: Any) -> Any:
+    """A contiguous tensor's bytes as a flat uint8 view."""
+    return t.reshape(-1).view(torch_module().uint8)
+
+
+def byte_view(t: Any) -> memoryview:
+    """A writable/readable byte view of a contiguous CPU tensor."""
+    return memoryview(flat_u8(t).numpy())
+
+
+def blob_bytes(b: Blob) -> Any:
+    """A blob's bytes as a flat uint8 tensor (a tensor's storage or a pickle buffer)."""
+    torch = torch_module()
+    return flat_u8(b.data) if b.is_tensor else torch.frombuffer(b.data, dtype=torch.uint8)
+
+
+def same_node_shm(b: Blob, config: CommConfig) -> bool:
+    """Whether blob ``b`` travels through shared memory to a peer on this node."""
+    return (
+        select_transport(b.device, b.nbytes, same_node=True, same_gpu=False, config=config) == SHM
+    )

@@ -12,6 +12,8 @@ import concurrent.futures
 from collections.abc import Callable, Generator
 from typing import Any
 
+from phalanx._base.checks import check_timeout
+
 
 class Work:
     """Handle of one asynchronous send, receive or channel operation.
@@ -43,13 +45,16 @@ class Work:
         Raises ``TimeoutError`` after ``timeout`` seconds (the operation stays posted: wait
         again to get its result), or the operation's error (e.g. ``PeerDiedError``).
         """
-        if timeout is not None and (not isinstance(timeout, (int, float)) or timeout < 0):
-            raise ValueError(f"timeout must be None or a non-negative number, got {timeout!r}")
+        timeout = check_timeout(timeout)
         try:
             value = self._future.result(timeout)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"{self._what} did not complete within {timeout}s") from None
         return self._post(value) if self._post is not None else value
+
+    def add_done_callback(self, fn: Callable[[concurrent.futures.Future], None]) -> None:
+        """Call ``fn(future)`` once the operation finished (at once if it has)."""
+        self._future.add_done_callback(fn)
 
     def done(self) -> bool:
         """True once the operation finished (successfully or not)."""

@@ -166,3 +166,22 @@ def test_segment_attach_and_read_only_mapping():
             shm.Segment.attach("/tmp/elsewhere")
     finally:
         seg.unlink()
+
+
+def test_full_dev_shm_is_an_error_naming_it():
+    """More than /dev/shm holds: an OSError subclass naming /dev/shm, the size and the space
+    free (tmpfs refuses a reservation above its size at once, without filling anything)."""
+    import errno
+
+    from phalanx.comm.errors import ShmFullError
+
+    st = os.statvfs("/dev/shm")
+    too_big = st.f_blocks * st.f_frsize + (1 << 30)
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(ShmFullError) as info:
+        shm.Segment.create(too_big, tag="fulltest")
+    err = info.value
+    assert isinstance(err, OSError) and err.errno == errno.ENOSPC
+    assert err.needed == too_big and err.free is not None and err.free < too_big
+    assert "/dev/shm is full" in str(err) and f"{too_big:,} bytes" in str(err)
+    assert not {n for n in os.listdir("/dev/shm") if "fulltest" in n} - before

@@ -66,6 +66,26 @@ def _same(a, b) -> bool:
 
 
 class CommWorker(px.Worker):
+    def options_round(self, group, rank):
+        """A collective group and a gloo p2p pair built with ``CollectiveGroupOptions``."""
+        from phalanx.comm import CollectiveGroupOptions, configure
+        from phalanx.comm.collective import get_group
+
+        opts = CollectiveGroupOptions(accel_max_ctas=2, timeout_s=60)
+        members = sorted([self.worker_address.get_name(), f"{group}:{rank}"])
+        g = get_group(members, options=opts, tag="opts")
+        value = g.all_reduce(torch.tensor([1.0 + g.rank])).item()
+        configure(use_shm=False, inline_max_bytes=1024)
+        big = torch.full((4096,), 7.0)
+        if g.rank == 0:
+            self.send(big, group, rank, options=opts)
+            got = self.recv(group, rank, options=opts, timeout=60)
+        else:
+            got = self.recv(group, rank, options=opts, timeout=60)
+            self.send(big, group, rank, options=opts)
+        configure(use_shm=True, inline_max_bytes=1 << 20)
+        return value, g.pg.options._timeout.total_seconds(), sorted(set(got.tolist()))
+
     def send_all(self, objs, group, rank, mode="sync"):
         if mode == "sync":
             for o in objs:
@@ -553,3 +573,26 @@ def test_transport_decision():
         )
         == "gloo"
     )
+
+
+def test_collective_group_options_are_checked_and_honoured(pair):
+    """RLinf's ``CollectiveGroupOptions``: fields checked at construction, accepted by every
+    ``options=``, and its ``timeout_s`` bounds the operations of a collective group."""
+    from phalanx.comm import CollectiveGroupOptions
+
+    opts = CollectiveGroupOptions(accel_max_ctas=4, accel_min_ctas=2, timeout_s=120)
+    assert not opts.is_empty_options() and CollectiveGroupOptions().is_empty_options()
+    with pytest.raises(TypeError, match="accel_max_ctas must be an int"):
+        CollectiveGroupOptions(accel_max_ctas="4")
+    with pytest.raises(ValueError, match="accel_min_ctas .3. must be <= accel_max_ctas .2."):
+        CollectiveGroupOptions(accel_max_ctas=2, accel_min_ctas=3)
+    with pytest.raises(TypeError, match="is_high_priority_stream must be a bool"):
+        CollectiveGroupOptions(is_high_priority_stream=1)
+    with pytest.raises(TypeError, match="timeout_s must be a number of seconds"):
+        CollectiveGroupOptions(timeout_s=True)
+    with pytest.raises(TypeError, match="options must be a CollectiveGroupOptions"):
+        p2p.send(1, "comm_b", 0, options={"accel_max_ctas": 2})
+    a, b = pair
+    h = b.execute_on(0).options_round("comm_a", 0)
+    assert a.execute_on(0).options_round("comm_b", 0).wait(timeout=120) == [(3.0, 60.0, [7])]
+    assert h.wait(timeout=120) == [(3.0, 60.0, [7])]

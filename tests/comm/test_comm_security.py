@@ -11,7 +11,6 @@ import struct
 
 import psutil
 import pytest
-import ray
 from ray.experimental import internal_kv
 
 import phalanx as px
@@ -105,8 +104,10 @@ def test_unauthenticated_client_is_dropped_before_unpickling(peers, tmp_path, mo
 
 
 def test_listener_on_the_node_address_and_secret_in_kv(peers):
+    from phalanx.comm.endpoint import listen_address
+
     a, _ = peers
-    node_ip = ray.util.get_node_ip_address()
+    node_ip = listen_address()  # the node address Ray was given: loopback in the suite
     info = _announced("sec_a:0")
     assert info["ip"] == node_ip
     pid = a.pid().wait(timeout=60)[0]
@@ -125,9 +126,9 @@ def test_server_proves_itself_to_the_client(peers, tmp_path):
     from phalanx.comm.auth import client_handshake
     from phalanx.comm.errors import AuthenticationError
 
-    server = socket.create_server((ray.util.get_node_ip_address(), 0))
+    server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
-    client = socket.create_connection((ray.util.get_node_ip_address(), port), timeout=30)
+    client = socket.create_connection(("127.0.0.1", port), timeout=30)
     conn, _ = server.accept()
     conn.sendall(b"PXA1" + os.urandom(16) + os.urandom(32))  # a challenge with a made-up MAC
     with pytest.raises(AuthenticationError, match="failed authentication"):
