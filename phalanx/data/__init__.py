@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
-from phalanx.data.batched_data_dict import BatchedDataDict
+from phalanx._base.lazy import lazy_exports
 
-__all__ = ["BatchedDataDict"]
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "BatchedDataDict": ".batched_data_dict",
+    },
+)

@@ -18,13 +18,15 @@ from typing import Any, Generic, TypedDict, TypeVar
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from typing_extensions import Self
 
-from phalanx.data.packing import PACKING_ALGORITHMS, pack
+from phalanx._base.checks import check_choice, check_int, check_rank
+from phalanx.data.bin_packing import PACKING_ALGORITHMS, pack
+from phalanx.data.columns import batch_len, concat, index_list, is_sequence, slice_rows, take
 
 __all__ = [
     "MICROBATCH_ORDERS",
+    "BatchKeysError",
     "ShardingError",
     "PACKING_ALGORITHMS",
     "BatchedDataDict",
@@ -66,10 +68,10 @@ class SequencePackingArgs(_SequencePackingRequired, total=False):
 
     Each micro-batch is a bin whose summed sequence lengths (each rounded up to
     ``sequence_length_pad_multiple``, default 1) fit in ``max_tokens_per_microbatch``;
-    ``algorithm`` is one of ``PACKING_ALGORITHMS``. ``microbatch_order`` (a phalanx
-    addition, default ``"packer"``) is the order of each rank's micro-batches: the packer's
-    bin order, as NeMo-RL, or ``"largest_first"`` (bins sorted by packed tokens, largest
-    first, before they are dealt, so the peak-memory micro-batch runs first).
+    ``algorithm`` is one of ``PACKING_ALGORITHMS``. ``microbatch_order`` (default
+    ``"packer"``, as NeMo-RL) is the order of each rank's micro-batches: the packer's bin
+    order, or ``"largest_first"``: each rank keeps the bins dealt to it and runs them by
+    packed tokens, largest first, so the peak-memory micro-batch runs first.
     """
 
     sequence_length_pad_multiple: int
@@ -90,113 +92,30 @@ _PACKING_KEYS = ("input_key", "input_lengths_key", "max_tokens_per_microbatch", 
 # ----------------------------------------------------------------------------- value helpers
 
 
-def _check_int(value: Any, name: str, minimum: int | None = None) -> int:
-    """Return ``value`` as an int; TypeError/ValueError naming ``name`` otherwise."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer, got {type(value).__name__} ({value!r})")
-    value = int(value)
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+def _rows(b: int, batch: Mapping[str, Any]) -> int:
+    """Batch ``b``'s row count, taken from its first field as NeMo-RL does (0 for ``{}``).
+
+    Every other field whose length can be measured must agree; a value without a usable
+    length (metadata) is not measured.
+    """
+    lengths: dict[str, int] = {}
+    for key, value in batch.items():
+        try:
+            lengths[key] = batch_len(key, value)
+        except Exception:  # noqa: BLE001 - only the first field must have a length
+            if not lengths:
+                raise
+    if len(set(lengths.values())) > 1:
+        raise ValueError(f"batches[{b}]: keys disagree on the number of rows: {lengths}")
+    return next(iter(lengths.values()), 0)
 
 
-def _is_sequence(value: Any) -> bool:
-    """True for per-sample sequences (lists, tuples, ...), False for strings and bytes."""
-    return isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray))
+class BatchKeysError(KeyError, ValueError):
+    """Non-empty batches with different keys (NeMo-RL raises ``KeyError``; also a
+    ``ValueError``, phalanx's type for bad input)."""
 
-
-def _batch_len(key: Any, value: Any) -> int:
-    """Length of ``value`` along the batch dimension."""
-    if isinstance(value, (torch.Tensor, np.ndarray)):
-        if value.ndim == 0:
-            raise ValueError(f"key {key!r} holds a 0-d array; batched values need a batch dim")
-        return int(value.shape[0])
-    if _is_sequence(value):
-        return len(value)
-    raise TypeError(
-        f"key {key!r} holds a {type(value).__name__}; values must be tensors, arrays or "
-        "per-sample sequences"
-    )
-
-
-def _take(value: Any, indices: list[int]) -> Any:
-    """Rows ``indices`` of ``value`` as a new object (fresh storage for tensors)."""
-    if isinstance(value, torch.Tensor):
-        index = torch.as_tensor(indices, dtype=torch.long, device=value.device)
-        return value.index_select(0, index)
-    if isinstance(value, np.ndarray):
-        return value[np.asarray(indices, dtype=np.intp)]
-    return [value[i] for i in indices]
-
-
-def _slice(value: Any, start: int, end: int) -> Any:
-    """Rows ``start:end`` of ``value`` (a view for tensors and arrays)."""
-    if isinstance(value, (torch.Tensor, np.ndarray, list)):
-        return value[start:end]
-    return list(value[start:end])
-
-
-def _pad_trailing(value: Any, target: list[int], pad_value: float) -> Any:
-    """Right-pad every non-batch dim of ``value`` up to ``target``."""
-    widths = [t - s for t, s in zip(target, value.shape[1:])]
-    if not any(widths):
-        return value
-    if isinstance(value, np.ndarray):
-        return np.pad(value, [(0, 0)] + [(0, w) for w in widths], constant_values=pad_value)
-    spec: list[int] = []
-    for width in reversed(widths):  # F.pad lists the last dimension first
-        spec += [0, width]
-    return F.pad(value, spec, value=pad_value)
-
-
-def _concat(key: Any, values: list[Any], pad_value: float) -> Any:
-    """Concatenate one key's values from several batches along dim 0, padding if needed."""
-    if all(isinstance(v, (torch.Tensor, np.ndarray)) for v in values):
-        kinds = {type(v) is np.ndarray for v in values}
-        ndims = {v.ndim for v in values}
-        if len(kinds) > 1:
-            raise TypeError(f"batches: key {key!r} mixes torch tensors and numpy arrays")
-        if len(ndims) > 1 or 0 in ndims:
-            raise ValueError(
-                f"batches: key {key!r} needs tensors with the same number (>= 1) of dims, "
-                f"got {sorted(ndims)}"
-            )
-        ndim = ndims.pop()
-        target = [max(int(v.shape[d]) for v in values) for d in range(1, ndim)]
-        padded = [_pad_trailing(v, target, pad_value) for v in values]
-        if isinstance(padded[0], np.ndarray):
-            return np.concatenate(padded, axis=0)
-        return torch.cat(padded, dim=0)
-    if all(_is_sequence(v) for v in values):
-        return [item for v in values for item in v]
-    kinds_text = sorted({type(v).__name__ for v in values})
-    raise TypeError(
-        f"batches: key {key!r} has values of types {kinds_text}; all batches must hold "
-        "tensors, arrays, or per-sample sequences for the same key"
-    )
-
-
-def _as_index_list(indices: Any, size: int, name: str) -> list[int]:
-    """Validate integer row indices in ``[0, size)`` and return them as a list."""
-    if isinstance(indices, (torch.Tensor, np.ndarray)):
-        if indices.ndim != 1:
-            raise ValueError(f"{name} must be 1-D, got shape {tuple(indices.shape)}")
-        if isinstance(indices, torch.Tensor):
-            is_int = not (indices.dtype.is_floating_point or indices.dtype.is_complex)
-            is_int = is_int and indices.dtype != torch.bool
-        else:
-            is_int = np.issubdtype(indices.dtype, np.integer)
-        if not is_int and len(indices):
-            raise TypeError(f"{name} must hold integers, got dtype {indices.dtype}")
-        out = [int(i) for i in indices.tolist()]
-    elif _is_sequence(indices):
-        out = [_check_int(i, name) for i in indices]
-    else:
-        raise TypeError(f"{name} must be a list, tensor or array of ints, got {indices!r}")
-    bad = [i for i in out if not 0 <= i < size]
-    if bad:
-        raise IndexError(f"{name} has indices {bad[:5]} outside [0, {size})")
-    return out
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 def _split_sizes(n: int, parts: int, offset: int) -> list[int]:
@@ -250,28 +169,28 @@ class BatchedDataDict(dict, Generic[DictT]):
         have the same keys; an empty batch (no rows, e.g. the output of an empty
         data-parallel shard) may lack keys, and an empty list gives an empty dict.
         """
-        if isinstance(batches, Mapping) or not _is_sequence(batches):
+        if isinstance(batches, Mapping) or not is_sequence(batches):
             raise TypeError(f"batches must be a sequence of mappings, got {type(batches).__name__}")
         for b, batch in enumerate(batches):
             if not isinstance(batch, Mapping):
                 raise TypeError(f"batches[{b}] is a {type(batch).__name__}, not a mapping")
         if not batches:
             return cls()
-        rows = [max((_batch_len(k, v) for k, v in batch.items()), default=0) for batch in batches]
-        full = [b for b, n in enumerate(rows) if n] or list(range(len(batches)))
-        keys = list(batches[full[0]])
-        for b, batch in enumerate(batches):
-            if set(batch) == set(keys) or (not rows[b] and set(batch) <= set(keys)):
-                continue
-            raise ValueError(
-                f"batches[{b}] has keys {sorted(map(str, batch))}, batches[{full[0]}] has "
-                f"{sorted(map(str, keys))}; all non-empty batches need the same keys"
-            )
-        pads = dict(pad_value_dict or {})
+        rows = [_rows(b, batch) for b, batch in enumerate(batches)]
         use = [b for b in range(len(batches)) if rows[b]] or list(range(len(batches)))
+        keys = list(dict.fromkeys(k for b in use for k in batches[b]))
+        for k in dict.fromkeys(k for batch in batches for k in batch):
+            lacking = [b for b, batch in enumerate(batches) if rows[b] and k not in batch]
+            if lacking:
+                having = next(b for b, batch in enumerate(batches) if k in batch)
+                raise BatchKeysError(
+                    f"Key {k!r} is missing from non-empty batches {lacking} (batches[{having}] "
+                    "has it); all non-empty batches need the same keys"
+                )
+        pads = dict(pad_value_dict or {})
         return cls(
             {
-                k: _concat(k, [batches[b][k] for b in use if k in batches[b]], pads.get(k, 0))
+                k: concat(k, [batches[b][k] for b in use if k in batches[b]], pads.get(k, 0))
                 for k in keys
             }
         )
@@ -281,7 +200,7 @@ class BatchedDataDict(dict, Generic[DictT]):
     @property
     def size(self) -> int:
         """The batch size (0 when empty); ValueError if keys disagree."""
-        sizes = {k: _batch_len(k, v) for k, v in self.items()}
+        sizes = {k: batch_len(k, v) for k, v in self.items()}
         if len(set(sizes.values())) > 1:
             raise ValueError(f"keys disagree on the batch size: {sizes}")
         return next(iter(sizes.values()), 0)
@@ -314,25 +233,19 @@ class BatchedDataDict(dict, Generic[DictT]):
     def slice(self, start: int, end: int) -> Self:
         """Rows ``start:end`` (views for tensors and arrays); bounds must lie in ``[0, size]``."""
         size = self.size
-        start = _check_int(start, "start")
-        end = _check_int(end, "end")
-        if not 0 <= start <= size:
-            raise ValueError(f"start must be in [0, {size}], got {start}")
-        if not start <= end <= size:
-            raise ValueError(f"end must be in [{start}, {size}], got {end}")
-        return type(self)({k: _slice(v, start, end) for k, v in self.items()})
+        start = check_int(start, "start", 0, size)
+        end = check_int(end, "end", start, size)
+        return type(self)({k: slice_rows(v, start, end) for k, v in self.items()})
 
     def select_indices(self, indices: Sequence[int] | torch.Tensor | np.ndarray) -> Self:
         """Rows at ``indices`` (any order, repeats allowed) as new storage."""
-        rows = _as_index_list(indices, self.size, "indices")
-        return type(self)({k: _take(v, rows) for k, v in self.items()})
+        rows = index_list(indices, self.size, "indices")
+        return type(self)({k: take(v, rows) for k, v in self.items()})
 
     def chunk(self, rank: int, chunks: int) -> Self:
         """The ``rank``-th of ``chunks`` equal contiguous pieces; size must divide evenly."""
-        chunks = _check_int(chunks, "chunks", minimum=1)
-        rank = _check_int(rank, "rank")
-        if not 0 <= rank < chunks:
-            raise ValueError(f"rank must be in [0, {chunks}), got {rank}")
+        chunks = check_int(chunks, "chunks", minimum=1)
+        rank = check_rank(rank, chunks)
         size = self.size
         if size % chunks:
             raise ValueError(f"chunks ({chunks}) must divide the batch size ({size})")
@@ -344,7 +257,7 @@ class BatchedDataDict(dict, Generic[DictT]):
 
         List items are deep-copied so that repeated samples can be mutated independently.
         """
-        num_repeats = _check_int(num_repeats, "num_repeats", minimum=1)
+        num_repeats = check_int(num_repeats, "num_repeats", minimum=1)
         out = type(self)()
         for k, v in self.items():
             if isinstance(v, torch.Tensor):
@@ -352,7 +265,7 @@ class BatchedDataDict(dict, Generic[DictT]):
             elif isinstance(v, np.ndarray):
                 out[k] = np.repeat(v, num_repeats, axis=0)
             else:
-                _batch_len(k, v)
+                batch_len(k, v)
                 out[k] = [_copy.deepcopy(item) for item in v for _ in range(num_repeats)]
         return out
 
@@ -361,8 +274,8 @@ class BatchedDataDict(dict, Generic[DictT]):
 
         Tensors already shorter than ``truncated_len`` on that dim are left as they are.
         """
-        dim = _check_int(dim, "dim", minimum=1)
-        truncated_len = _check_int(truncated_len, "truncated_len", minimum=0)
+        dim = check_int(dim, "dim", minimum=1)
+        truncated_len = check_int(truncated_len, "truncated_len", minimum=0)
         for k, v in self.items():
             if isinstance(v, torch.Tensor) and v.ndim > dim and v.shape[dim] > truncated_len:
                 self[k] = v.narrow(dim, 0, truncated_len)
@@ -375,7 +288,7 @@ class BatchedDataDict(dict, Generic[DictT]):
         outputs. Micro-batch plans no longer apply afterwards and are cleared.
         """
         size = self.size
-        perm = _as_index_list(reorded_indices, size, "reorded_indices")
+        perm = index_list(reorded_indices, size, "reorded_indices")
         if len(perm) != size or len(set(perm)) != size:
             raise ValueError(
                 f"reorded_indices must be a permutation of range({size}), got {len(perm)} "
@@ -385,7 +298,7 @@ class BatchedDataDict(dict, Generic[DictT]):
         for i, p in enumerate(perm):
             inverse[p] = i
         for k in list(self):
-            self[k] = _take(self[k], inverse)
+            self[k] = take(self[k], inverse)
         self.micro_batch_indices = self.micro_batch_lengths = self.elem_counts_per_gb = None
 
     # ------------------------------------------------------------------ sharding
@@ -421,9 +334,9 @@ class BatchedDataDict(dict, Generic[DictT]):
         Returns the list of shards, or with either option ``(shards, sorted_indices)`` where
         the concatenated shards equal ``self.select_indices(sorted_indices)``.
         """
-        shards = _check_int(shards, "shards", minimum=1)
+        shards = check_int(shards, "shards", minimum=1)
         if batch_size is not None:
-            batch_size = _check_int(batch_size, "batch_size", minimum=1)
+            batch_size = check_int(batch_size, "batch_size", minimum=1)
         if dynamic_batching_args is not None and sequence_packing_args is not None:
             raise ShardingError(
                 "dynamic_batching_args and sequence_packing_args cannot be passed together"
@@ -488,7 +401,7 @@ class BatchedDataDict(dict, Generic[DictT]):
             if lengths.ndim != 1:
                 raise ValueError(f"{arg_name}: input lengths must be 1-D, got {lengths.shape}")
             lengths = lengths.tolist()
-        return [_check_int(n, f"{arg_name}: input length", minimum=0) for n in lengths]
+        return [check_int(n, f"{arg_name}: input length", minimum=0) for n in lengths]
 
     def _make_shards(
         self,
@@ -511,10 +424,10 @@ class BatchedDataDict(dict, Generic[DictT]):
         """Sort each global batch by length, deal it to shards, cut shared micro-batches."""
         name = "dynamic_batching_args"
         lengths = self._lengths(args, name, _DYNAMIC_KEYS)
-        max_tokens = _check_int(
+        max_tokens = check_int(
             args["max_tokens_per_microbatch"], f"{name}[max_tokens_per_microbatch]", 1
         )
-        rounding = _check_int(args["sequence_length_round"], f"{name}[sequence_length_round]", 1)
+        rounding = check_int(args["sequence_length_round"], f"{name}[sequence_length_round]", 1)
         inputs = self[args["input_key"]]
         seq_cap = inputs.shape[1] if isinstance(inputs, torch.Tensor) and inputs.ndim > 1 else None
 
@@ -562,22 +475,16 @@ class BatchedDataDict(dict, Generic[DictT]):
         ``b % shards``; the packer makes the bin count a multiple of ``shards``."""
         name = "sequence_packing_args"
         lengths = self._lengths(args, name, _PACKING_KEYS)
-        capacity = _check_int(
+        capacity = check_int(
             args["max_tokens_per_microbatch"], f"{name}[max_tokens_per_microbatch]", 1
         )
-        multiple = _check_int(
+        multiple = check_int(
             args.get("sequence_length_pad_multiple", 1), f"{name}[sequence_length_pad_multiple]", 1
         )
-        algorithm = args["algorithm"]
-        if algorithm not in PACKING_ALGORITHMS:
-            raise ValueError(
-                f"{name}[algorithm] must be one of {PACKING_ALGORITHMS}, got {algorithm!r}"
-            )
-        order = args.get("microbatch_order", "packer")
-        if order not in MICROBATCH_ORDERS:
-            raise ValueError(
-                f"{name}[microbatch_order] must be one of {MICROBATCH_ORDERS}, got {order!r}"
-            )
+        algorithm = check_choice(args["algorithm"], PACKING_ALGORITHMS, f"{name}[algorithm]")
+        order = args.get("microbatch_order")
+        if order is not None:
+            check_choice(order, MICROBATCH_ORDERS, f"{name}[microbatch_order]")
         padded = [_round_up(n, multiple) for n in lengths]
         too_long = [n for n in padded if n > capacity]
         if too_long:
@@ -591,20 +498,19 @@ class BatchedDataDict(dict, Generic[DictT]):
         for start, end in global_batches:
             local = padded[start:end]
             bins = pack(local, capacity, algorithm, min_bin_count=shards, bin_count_multiple=shards)
-            if order == "largest_first":
-                bins.sort(key=lambda b: sum(local[i] for i in b), reverse=True)
-            micro: list[list[list[int]]] = [[] for _ in range(shards)]
-            micro_len: list[list[int]] = [[] for _ in range(shards)]
-            for b, members in enumerate(bins):
-                s = b % shards
-                shard_rows[s].extend(start + i for i in members)
-                n = micro[s][-1][1] if micro[s] else 0
-                micro[s].append([n, n + len(members)])
-                micro_len[s].append(sum(local[i] for i in members))
             for s in range(shards):
-                plans[s][0].append(micro[s])
-                plans[s][1].append(micro_len[s])
-                plans[s][2].append(micro[s][-1][1] if micro[s] else 0)
+                # Bin b goes to shard b % shards; the order only changes within a shard.
+                mine = bins[s::shards]
+                if order == "largest_first":
+                    mine.sort(key=lambda b: sum(local[i] for i in b), reverse=True)
+                micro: list[list[int]] = []
+                for members in mine:
+                    shard_rows[s].extend(start + i for i in members)
+                    n = micro[-1][1] if micro else 0
+                    micro.append([n, n + len(members)])
+                plans[s][0].append(micro)
+                plans[s][1].append([sum(local[i] for i in b) for b in mine])
+                plans[s][2].append(micro[-1][1] if micro else 0)
         return self._make_shards(shard_rows, plans)
 
     # ------------------------------------------------------------------ micro-batches
@@ -615,7 +521,7 @@ class BatchedDataDict(dict, Generic[DictT]):
         Uses ``elem_counts_per_gb`` when the dict came from ``shard_by_batch_size``;
         otherwise ``batch_size`` rows per global batch.
         """
-        batch_idx = _check_int(batch_idx, "batch_idx", minimum=0)
+        batch_idx = check_int(batch_idx, "batch_idx", minimum=0)
         if self.elem_counts_per_gb is not None:
             counts = self.elem_counts_per_gb
             if batch_idx >= len(counts):
@@ -632,7 +538,7 @@ class BatchedDataDict(dict, Generic[DictT]):
         else:
             if batch_size is None:
                 raise ValueError("batch_size is required when elem_counts_per_gb is unset")
-            batch_size = _check_int(batch_size, "batch_size", minimum=1)
+            batch_size = check_int(batch_size, "batch_size", minimum=1)
             start, end = batch_idx * batch_size, (batch_idx + 1) * batch_size
             if end > self.size:
                 raise IndexError(f"batch_idx {batch_idx} out of range for size {self.size}")
@@ -646,7 +552,7 @@ class BatchedDataDict(dict, Generic[DictT]):
 
     def make_microbatch_iterator(self, microbatch_size: int) -> Iterator[Self]:
         """Yield consecutive slices of ``microbatch_size`` rows; it must divide ``size``."""
-        microbatch_size = _check_int(microbatch_size, "microbatch_size", minimum=1)
+        microbatch_size = check_int(microbatch_size, "microbatch_size", minimum=1)
         size = self.size
         if size % microbatch_size:
             raise ValueError(f"microbatch_size ({microbatch_size}) must divide the size ({size})")

@@ -17,38 +17,35 @@ from __future__ import annotations
 
 from phalanx._base.lazy import lazy_exports
 
-_LAZY = {
-    "WeightSender": ".sender",
-    "RayModuleTransformSender": ".sender",
-    "SyncResult": ".sender",
-    "WeightMismatchError": ".receiver",
-    "NoModelError": ".receiver",
-    "WeightsReceiverMixin": ".receiver",
-    "check_finite": ".sender",
-    "apply_weights": ".receiver",
-    "validate": ".receiver",
-    "ReadWriteLock": "phalanx.worker.call_lock",
-    "Layout": ".layout",
-    "TensorSpec": ".layout",
-    "gather": ".layout",
-    "pack_range": ".layout",
-    "pack_state_dict": ".layout",
-    "views": ".layout",
-    "to_named_tensors": ".layout",
-    "ShmRing": ".transports.shm",
-    "ShmSegment": ".transports.shm",
-    "pack_to_shm": ".transports.shm",
-    "open_views": ".transports.shm",
-    "broadcast_stream": ".transports.collective",
-    "receive_stream": ".transports.collective",
-    "new_process_group": ".transports.collective",
-    "pack_to_cuda": ".transports.cuda_ipc",
-    "ipc_handle": ".transports.cuda_ipc",
-    "open_handle": ".transports.cuda_ipc",
-}
-
-
-__getattr__ = lazy_exports(__name__, _LAZY)
-
-
-__all__ = sorted(_LAZY)
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "WeightSender": ".sender",
+        "RayModuleTransformSender": ".sender",
+        "SyncResult": ".sender",
+        "WeightMismatchError": ".receiver",
+        "NoModelError": ".receiver",
+        "WeightsReceiverMixin": ".receiver",
+        "check_finite": ".layout",
+        "apply_weights": ".receiver",
+        "validate": ".receiver",
+        "ReadWriteLock": "phalanx.worker.call_lock",
+        "Layout": ".layout",
+        "TensorSpec": ".layout",
+        "gather": ".layout",
+        "pack_range": ".layout",
+        "pack_state_dict": ".layout",
+        "views": ".layout",
+        "to_named_tensors": ".layout",
+        "ShmRing": ".transports.shm",
+        "ShmSegment": ".transports.shm",
+        "pack_to_shm": ".transports.shm",
+        "open_views": ".transports.shm",
+        "broadcast_stream": ".transports.collective",
+        "receive_stream": ".transports.collective",
+        "new_process_group": ".transports.collective",
+        "pack_to_cuda": ".transports.cuda_ipc",
+        "ipc_handle": ".transports.cuda_ipc",
+        "open_handle": ".transports.cuda_ipc",
+    },
+)

@@ -241,3 +241,25 @@ def pack_state_dict(
         )
     pack_range(out[: layout.total_bytes], layout, sources, 0, layout.total_bytes)
     return layout, out[: layout.total_bytes]
+
+
+def check_finite(layout: Layout, sources: list[torch.Tensor]) -> None:
+    """Raise ``ValueError`` naming the first floating-point tensor holding NaN or Inf.
+
+    One reduction per tensor (a sum is NaN/Inf when any element is); only a tensor whose
+    sum is not finite is checked element by element, since a sum of large finite values
+    may overflow.
+    """
+    for spec, t in zip(layout.specs, sources):
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        acc = torch.float64 if t.dtype == torch.float64 else torch.float32
+        if bool(torch.isfinite(t.sum(dtype=acc))):
+            continue
+        bad = ~torch.isfinite(t)
+        if bool(bad.any()):
+            n = int(bad.sum())
+            raise ValueError(
+                f"weights: {spec.name!r} holds {n} NaN/Inf value(s) of {t.numel()}; nothing was "
+                "sent (pass allow_nonfinite=True to send them anyway)"
+            )

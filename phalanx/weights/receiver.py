@@ -26,12 +26,21 @@ import weakref
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from phalanx.weights.targets import (
+    NoModelError,
+    WeightMismatchError,
+    copy_into,
+    module_of,
+    target_tensors,
+    validate,
+)
+from phalanx.weights.transports import collective, registry, shm
 from phalanx.worker.call_lock import call_lock
 from phalanx.worker.weights_state import WeightsReceiverMixin, receiver_state
 
 if TYPE_CHECKING:
-    import torch
-
     from phalanx.weights.layout import Layout
 
 __all__ = [
@@ -41,123 +50,6 @@ __all__ = [
     "apply_weights",
     "validate",
 ]
-
-
-class WeightMismatchError(ValueError):
-    """Sent weights do not fit the receiver's module; nothing was changed."""
-
-
-class NoModelError(WeightMismatchError):
-    """The receiver holds no model to receive weights into."""
-
-
-def module_of(worker: Any) -> Any:
-    """The module that receives weights on ``worker`` (``weights_module()`` or ``model``)."""
-    fn = getattr(worker, "weights_module", None)
-    try:
-        module = fn() if callable(fn) else getattr(worker, "model", None)
-    except AttributeError as e:
-        raise NoModelError(str(e)) from None
-    if module is None:
-        raise NoModelError(
-            f"{type(worker).__name__} has no model to receive weights: set self.model "
-            "or define weights_module()"
-        )
-    return module
-
-
-def target_tensors(module: Any) -> dict[str, torch.Tensor]:
-    """Parameters and buffers by state-dict name (the tensors themselves, not copies)."""
-    import torch
-
-    if isinstance(module, torch.nn.Module):
-        return dict(module.state_dict(keep_vars=True))
-    if isinstance(module, dict):
-        return dict(module)
-    raise TypeError(f"weights_module() must return an nn.Module, got {type(module).__name__}")
-
-
-def validate(
-    targets: dict[str, torch.Tensor], layout: Layout, strict: bool = False
-) -> tuple[str, ...]:
-    """Raise ``WeightMismatchError`` naming the first parameter that does not fit.
-
-    Returns the receiver's names the layout does not carry; with ``strict`` any such name
-    is an error too.
-    """
-    for spec in layout.specs:
-        t = targets.get(spec.name)
-        if t is None:
-            raise WeightMismatchError(
-                f"unknown parameter {spec.name!r} (sent shape {list(spec.shape)}): the "
-                f"receiver's module has no such parameter or buffer"
-            )
-        if tuple(t.shape) != spec.shape:
-            raise WeightMismatchError(
-                f"parameter {spec.name!r}: shape mismatch, receiver has {list(t.shape)}, "
-                f"sent {list(spec.shape)}"
-            )
-        if t.dtype != spec.torch_dtype:
-            raise WeightMismatchError(
-                f"parameter {spec.name!r}: dtype mismatch, receiver has "
-                f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}, sent {spec.dtype} "
-                f"{list(spec.shape)}"
-            )
-    specs = {s.name: s for s in layout.specs}
-    for alias, canon in layout.aliases.items():
-        t, spec = targets.get(alias), specs[canon]
-        if t is None or tuple(t.shape) != spec.shape or t.dtype != spec.torch_dtype:
-            have = "missing" if t is None else f"{list(t.shape)} {t.dtype}"
-            raise WeightMismatchError(
-                f"parameter {alias!r} (tied to {canon!r}): receiver has {have}, sent "
-                f"{list(spec.shape)} {spec.dtype}"
-            )
-    missing = tuple(sorted(set(targets) - set(specs) - set(layout.aliases)))
-    if strict and missing:
-        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-        raise WeightMismatchError(
-            f"missing parameters {list(missing[:5])}{more}: the sent weights do not cover the "
-            "receiver's module (send them all, or pass strict=False for a partial update)"
-        )
-    return missing
-
-
-def copy_into(
-    targets: dict[str, torch.Tensor], layout: Layout, sources: dict[str, torch.Tensor]
-) -> None:
-    """Copy every source into its target in place (after ``validate``)."""
-    import torch
-
-    with torch.no_grad():
-        for spec in layout.specs:
-            src = sources[spec.name]
-            if isinstance(src, list):
-                _copy_pieces(targets[spec.name], spec.torch_dtype, src)
-            else:
-                targets[spec.name].copy_(src)
-        copy_aliases(targets, layout)
-
-
-def _copy_pieces(dst: torch.Tensor, dtype: torch.dtype, pieces: list[torch.Tensor]) -> None:
-    """Copy uint8 pieces that together hold ``dst``'s bytes into it, each piece once."""
-    import torch
-
-    if not dst.is_contiguous():
-        dst.copy_(torch.cat(pieces).view(dtype).view(dst.shape))
-        return
-    flat = dst.detach().reshape(-1).view(torch.uint8)
-    at = 0
-    for piece in pieces:
-        flat[at : at + piece.numel()].copy_(piece)
-        at += piece.numel()
-
-
-def copy_aliases(targets: dict[str, torch.Tensor], layout: Layout) -> None:
-    """Tied names whose receiver tensor is not shared with their canonical one get a copy."""
-    for alias, canon in layout.aliases.items():
-        dst = targets[alias]
-        if dst.data_ptr() != targets[canon].data_ptr():
-            dst.copy_(targets[canon])
 
 
 def unshare(
@@ -171,8 +63,6 @@ def unshare(
     anything writes into the parameters. Tensors named in ``overwritten`` (about to be
     written whole) get fresh storage without their old values.
     """
-    import torch
-
     state = receiver_state(worker)
     if state.view is None:
         return
@@ -240,8 +130,6 @@ def adopt_views(
     All or nothing, under the write lock, between method calls. Tensors the version does
     not carry (a partial version) get private storage if they viewed an older buffer.
     """
-    import torch
-
     state = receiver_state(obj)
     if version <= state.version:
         return False
@@ -267,8 +155,6 @@ def adopt_views(
 def _guard_loads(worker: Any, module: Any) -> None:
     """Make ``load_state_dict`` on ``module`` (or any submodule) unshare first: the shared
     buffers are mapped read-only, and the receiver's own load must not write into them."""
-    import torch
-
     if not isinstance(module, torch.nn.Module):
         return
     guarded = receiver_state(worker).scratch.setdefault("guarded", weakref.WeakSet())
@@ -309,16 +195,7 @@ def validate_op(worker: Any, layout: Layout) -> bool:
     return True
 
 
-def collective_join_op(worker: Any, *args: Any) -> bool:
-    from phalanx.weights.transports import collective
-
-    return collective.join(worker, *args)
-
-
-def collective_drop_op(worker: Any, key: str) -> bool:
-    from phalanx.weights.transports import collective
-
-    return collective.drop(worker, key)
+collective_join_op = collective.join  # run on a worker: join the sender's weights group
 
 
 def _span(worker: Any, tag: str) -> Any:
@@ -336,25 +213,19 @@ def apply_op(
     strict: bool = True,
 ) -> dict[str, Any]:
     """Receive ``version`` through ``transport`` and apply it; the ack for the sender."""
-    from phalanx.weights.transports import receive
-
     state = receiver_state(worker)
     stale = version <= state.version
     lock = call_lock(worker)
     t0 = time.perf_counter()
     if transport == "collective" and not stale:
-        from phalanx.weights.transports.collective import apply_in_place
-
         with _span(worker, "weights/transfer"):
-            status = apply_in_place(worker, version, layout, payload, lock, strict)
+            status = collective.apply_in_place(worker, version, layout, payload, lock, strict)
         if status is not None:  # received and applied in one pass
             return _ack(worker, status, "collective", t0, time.perf_counter())
     if transport == "shm" and not stale and payload.get("ring") and can_view(worker):
-        from phalanx.weights.transports.shm import forget_retired, open_views
-
-        forget_retired(worker, payload.get("retired", ()))
+        shm.forget_retired(worker, payload.get("retired", ()))
         with _span(worker, "weights/transfer"):
-            sources = open_views(worker, payload["path"], layout)
+            sources = shm.open_views(worker, payload["path"], layout)
         t1 = time.perf_counter()
         with _span(worker, "weights/apply"):
             ok = adopt_views(
@@ -363,7 +234,7 @@ def apply_op(
         return _ack(worker, "applied" if ok else "ignored", "shm_view", t0, t1)
     with _span(worker, "weights/transfer"):
         # A stale version still takes part in a collective (others depend on it).
-        sources, release = receive(worker, transport, layout, payload, skip=stale)
+        sources, release = registry.receive(worker, transport, layout, payload, skip=stale)
     t1 = time.perf_counter()
     try:
         if stale:

@@ -18,9 +18,9 @@ The sender reaches each worker through the host's public side-call entry
 
 from __future__ import annotations
 
-import threading
+import logging
+import os
 import time
-import uuid
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,28 +30,30 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from phalanx._base.checks import check_choice, check_int, check_number, check_ranks
 from phalanx._base.timing import TimerRecorder
 from phalanx.comm import shm as _shm_files
-from phalanx.comm.process_group import host_store
 from phalanx.group.group import WorkerGroup
 from phalanx.weights import receiver as _recv
 from phalanx.weights.layout import (
     Layout,
     check_dtype,
+    check_finite,
     check_name_map,
     check_sizes,
     gather,
-    pack_range,
     to_named_tensors,
     views,
 )
-from phalanx.weights.receiver import NoModelError, WeightMismatchError
-from phalanx.weights.transports import TRANSPORTS
-from phalanx.weights.transports import collective as _coll
-from phalanx.weights.transports import object_store as _os
-from phalanx.weights.transports import shm as _shm
+from phalanx.weights.targets import NoModelError, WeightMismatchError
+from phalanx.weights.transports.base import Send
+from phalanx.weights.transports.collective import ping
+from phalanx.weights.transports.registry import CHOICES, sender_halves
+from phalanx.weights.transports.shm import is_full
 
-_PING_TIMEOUT_S = 10.0
+__all__ = ["RayModuleTransformSender", "SyncResult", "WeightSender", "check_finite", "ping"]
+
+_log = logging.getLogger(__name__)
 _LATE = "did not apply within"  # a worker still busy: no re-send, it may yet apply
 
 
@@ -82,26 +84,6 @@ class SyncResult:
         return any(self.missing.values())
 
 
-@dataclass
-class _Pending:
-    version: int
-    ranks: list[int]
-    transport: str
-    refs: dict[int, Any]
-    layout: Layout
-    sources: list[torch.Tensor]
-    t0: float
-    timings: dict[str, float]
-    thread: threading.Thread | None = None
-    thread_error: list[BaseException] = field(default_factory=list)
-    routes: dict[int, str] = field(default_factory=dict)
-    keep: Any = None  # keeps a snapshot alive until the receivers are done
-    strict: bool = True
-    ring_path: str | None = None  # the shared buffer this version was written to
-    prepared: bool = False  # the bytes were placed by someone else (send_prepared)
-    source: Any = None  # what the weights were taken from (re-read to restore a worker)
-
-
 class WeightSender:
     """Sends a model's weights to the workers of a group.
 
@@ -126,6 +108,10 @@ class WeightSender:
     Other processes on the node (a trainer's ranks) can write a version into one of them
     themselves: ``reserve_shared_buffer``, then ``send_prepared("shm", ...)``.
 
+    A full ``/dev/shm`` (or more than ``shm_max_mb`` of it, default no limit): ``"auto"``
+    sends those receivers' bytes through the object store instead and logs it once;
+    ``"shm"`` raises an ``OSError`` (``ENOSPC``) naming ``/dev/shm`` and the size.
+
     ``strict`` (default True): weights that lack some of a receiver's parameters are an
     error; False applies them as a partial version. ``allow_nonfinite`` (default False):
     NaN/Inf in floating-point weights is an error raised before anything is sent.
@@ -146,6 +132,7 @@ class WeightSender:
         timers: TimerRecorder | None = None,
         strict: bool = True,
         allow_nonfinite: bool = False,
+        shm_max_mb: float | None = None,
     ):
         if not isinstance(group, WorkerGroup):
             raise TypeError(f"group must be a phalanx WorkerGroup, got {type(group).__name__}")
@@ -153,12 +140,12 @@ class WeightSender:
             raise ValueError("group: the group is not launched (or was shut down)")
         if model is not None and not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be an nn.Module or None, got {type(model).__name__}")
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        if backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"backend must be None, 'gloo' or 'nccl', got {backend!r}")
-        if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-            raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+        check_choice(transport, CHOICES, "transport")
+        check_choice(backend, (None, "gloo", "nccl"), "backend")
+        if check_number(timeout_s, "timeout_s") <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if shm_max_mb is not None:
+            check_number(shm_max_mb, "shm_max_mb", minimum=0)
         for flag, value in (("strict", strict), ("allow_nonfinite", allow_nonfinite)):
             if not isinstance(value, bool):
                 raise TypeError(f"{flag} must be a bool, got {value!r}")
@@ -176,16 +163,13 @@ class WeightSender:
         self.timeout_s = float(timeout_s)
         self.apply_timeout_s = apply_timeout_s if apply_timeout_s is not None else self.timeout_s
         self.timers = timers if timers is not None else TimerRecorder()
-        self._pending: _Pending | None = None
-        self._ring = _shm.ShmRing()
-        self._store: Any = None
-        self._pgs: dict[tuple, tuple[str, Any]] = {}
+        self.shm_max_bytes = None if shm_max_mb is None else int(shm_max_mb * 2**20)
+        self._pending: Send | None = None
+        self._halves = sender_halves(self)  # transport name -> its sender half
+        self._ring = self._halves["shm"]
+        self._shm_full = False  # "auto" found /dev/shm full: the object store from then on
         self._last: tuple[int, Any, bool] | None = None  # (version, source, strict)
-        self._last_os: tuple[int, Layout, Any] | None = None  # the latest object-store payload
         self._prepared: tuple[int, Any, bool] | None = None  # the latest send_prepared
-        self._os_buffer: torch.Tensor | None = None  # object-store packing buffer, reused
-        self._coll_buffers: list[torch.Tensor] = []  # collective double buffer, reused
-        self._coll_snapshot: torch.Tensor | None = None  # send_async snapshot, reused
         # Start above whatever the workers already hold (e.g. from an earlier sender).
         self._version = max(self._query_versions(group.actors), default=0)
         _shm_files.reap_orphans()  # buffers of senders on this node that died mid-send
@@ -298,19 +282,14 @@ class WeightSender:
         ``SyncResult`` are those of ``send``; a restarted worker gets the last ``shm`` or
         ``cuda_ipc`` version again, while a ``collective`` one is not kept.
         """
-        if transport not in ("shm", "cuda_ipc", "collective"):
-            raise ValueError(
-                f"transport must be 'shm', 'cuda_ipc' or 'collective', got {transport!r}"
-            )
+        check_choice(transport, ("shm", "cuda_ipc", "collective"), "transport")
         if not isinstance(payload, Mapping):
             raise TypeError(f"payload must be a dict, got {type(payload).__name__}")
         if not isinstance(layout, Layout):
             raise TypeError(f"layout must be a weights Layout, got {type(layout).__name__}")
-        if strict is not None and not isinstance(strict, bool):
-            raise TypeError(f"strict must be a bool or None, got {strict!r}")
         if self._pending is not None:
             raise RuntimeError("send_prepared(): a send is pending; call wait_async() first")
-        strict = self.strict if strict is None else strict
+        strict = self._strict(strict)
         ranks = self._ranks(worker_ids)
         self._version += 1
         ring_path, kept = None, None
@@ -323,7 +302,7 @@ class WeightSender:
                 payload = {"path": ring_path, "ring": True, "retired": self._ring.take_retired()}
             else:
                 payload = {**payload, "ring": False}
-        p = _Pending(self._version, ranks, transport, {}, layout, [], time.perf_counter(), {})
+        p = Send(self._version, ranks, transport, layout, [], time.perf_counter())
         p.strict, p.prepared, p.ring_path = strict, True, ring_path
         p.routes = dict.fromkeys(ranks, transport)
         if beside_calls:
@@ -351,8 +330,7 @@ class WeightSender:
         ``shared_buffers`` (retired ones), which would otherwise keep their memory alive.
         A reservation never sent is released by the next one.
         """
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-            raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
+        check_int(nbytes, "nbytes", minimum=1)
         if self._pending is not None:
             raise RuntimeError("reserve_shared_buffer(): a send is pending; call wait_async()")
         return self._ring.reserve(nbytes)
@@ -381,18 +359,18 @@ class WeightSender:
         if worker_ids is None:
             return list(range(n))
         ids = [worker_ids] if isinstance(worker_ids, int) else worker_ids
-        if not isinstance(ids, (list, tuple)) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in ids
-        ):
+        if not isinstance(ids, (list, tuple)):
             raise TypeError(
                 f"worker_ids must be None, an int or a list of ints, got {worker_ids!r}"
             )
-        bad = [i for i in ids if not 0 <= i < n]
-        if bad:
-            raise ValueError(f"worker_ids {bad} out of range for a group of {n} workers")
         if not ids:
             raise ValueError("worker_ids is an empty list")
-        return list(dict.fromkeys(ids))
+        return check_ranks(dict.fromkeys(ids), n, "worker_ids")
+
+    def _strict(self, strict: Any) -> bool:
+        if strict is not None and not isinstance(strict, bool):
+            raise TypeError(f"strict must be a bool or None, got {strict!r}")
+        return self.strict if strict is None else strict
 
     def _named(self, weights: Any) -> Any:
         if weights is None:
@@ -405,10 +383,8 @@ class WeightSender:
 
     def _start(
         self, weights: Any, worker_ids: Any, snapshot: bool, strict: bool | None = None
-    ) -> _Pending:
-        if strict is not None and not isinstance(strict, bool):
-            raise TypeError(f"strict must be a bool or None, got {strict!r}")
-        strict = self.strict if strict is None else strict
+    ) -> Send:
+        strict = self._strict(strict)
         ranks = self._ranks(worker_ids)
         t0 = time.perf_counter()
         with self.timers.span("weights/gather"):
@@ -419,22 +395,21 @@ class WeightSender:
         timings = {"gather": time.perf_counter() - t0}
         self._version += 1
         version = self._version
-        pending = _Pending(version, ranks, self.transport, {}, layout, sources, t0, timings)
-        pending.strict = strict
-        if self.transport == "collective":
-            pending.routes = dict.fromkeys(ranks, "collective")
-            self._start_collective(pending, snapshot)
-        else:
-            t1 = time.perf_counter()
-            with self.timers.span("weights/pack"):
-                payloads = self._pack(pending)
+        p = Send(version, ranks, self.transport, layout, sources, t0, timings, strict=strict)
+        p.source = weights if weights is not None else self.model
+        p.routes = self._route(ranks, sources)
+        t1 = time.perf_counter()
+        with self.timers.span("weights/pack"):
+            payloads = self._place(p)
+        if self.transport != "collective":  # the collective half times its own packing
             timings["pack"] = time.perf_counter() - t1
-            for r in ranks:
-                kind, payload = payloads[r]
-                pending.routes[r] = kind
-                pending.refs[r] = self._apply_remote(r, kind, version, layout, payload, strict)
-        pending.source = weights if weights is not None else self.model
-        return pending
+        for r in ranks:
+            if r not in p.dead:
+                kind = p.routes[r]
+                p.refs[r] = self._apply_remote(r, kind, version, layout, payloads[kind], strict)
+        for kind in payloads:
+            self._halves[kind].start(p, snapshot)
+        return p
 
     def _apply_remote(
         self,
@@ -452,8 +427,8 @@ class WeightSender:
 
     def _route(self, ranks: list[int], sources: list[torch.Tensor]) -> dict[int, str]:
         """Per rank, the transport its payload takes (the ``transport="auto"`` rule)."""
-        if self.transport == "object_store":
-            return dict.fromkeys(ranks, "object_store")
+        if self.transport in ("object_store", "collective"):
+            return dict.fromkeys(ranks, self.transport)
         meta = self.group.worker_metadata
         here = ray.get_runtime_context().get_node_id()
         cuda = next((s.device for s in sources if s.device.type == "cuda"), None)
@@ -461,7 +436,7 @@ class WeightSender:
         route = {}
         for r in ranks:
             local = meta[r].get("ray_node_id") == here
-            if not local:
+            if not local or (cuda is None and self._shm_full):
                 route[r] = "object_store"
             elif cuda is None:
                 route[r] = "shm"
@@ -471,128 +446,36 @@ class WeightSender:
                 route[r] = "object_store"
         return route
 
-    def _pack(self, p: _Pending) -> dict[int, tuple[str, Any]]:
-        """Per rank: (receiver transport, payload); each transport packs once."""
-        route = self._route(p.ranks, p.sources)
-        kinds = set(route.values())
+    def _place(self, p: Send) -> dict[str, Any]:
+        """Each transport the routes name places the bytes once; its payload by name."""
         payloads: dict[str, Any] = {}
-        if "cuda_ipc" in kinds:
-            from phalanx.weights.transports import cuda_ipc
-
-            flat = cuda_ipc.pack_to_cuda(p.layout, p.sources, p.sources[0].device)
-            p.keep = flat
-            payloads["cuda_ipc"] = cuda_ipc.ipc_handle(flat)
-        if "shm" in kinds:
-            payloads["shm"] = self._ring.write(p.layout, p.sources, p.version)
-            p.ring_path = payloads["shm"]["path"]
-        if "object_store" in kinds:
-            payloads["object_store"] = self._put(p.layout, p.sources)
-            p.keep = (p.keep, payloads["object_store"])
-        return {r: (kind, payloads[kind]) for r, kind in route.items()}
-
-    def _put(self, layout: Layout, sources: list[torch.Tensor]) -> dict[str, Any]:
-        payload, self._os_buffer = _os.put(layout, sources, self.bucket_bytes, self._os_buffer)
-        self._last_os = (self._version, layout, payload)
-        return payload
-
-    # -- collective ---------------------------------------------------------------------
-    def _alive(self, ranks: list[int]) -> tuple[list[int], dict[int, str]]:
-        return ping({r: self.group.actors[r] for r in ranks})
-
-    def _backend(self, sources: list[torch.Tensor]) -> str:
-        if self.backend is not None:
-            return self.backend
-        return "nccl" if sources and sources[0].device.type == "cuda" else "gloo"
-
-    def _process_group(self, ranks: list[int], backend: str) -> tuple[str, Any]:
-        actors = self.group.actors
-        ident = (backend, tuple(ranks), tuple(actors[r]._actor_id.hex() for r in ranks))
-        if ident in self._pgs:
-            return self._pgs[ident]
-        addr = ray.util.get_node_ip_address()
-        if self._store is None:
-            self._store = host_store(addr, self.timeout_s)
-        key = uuid.uuid4().hex[:12]
-        world = len(ranks) + 1
-        timeout = min(self.timeout_s, 120.0)
-        joins = [
-            actors[r].px_side_call.remote(
-                _recv.collective_join_op,
-                key,
-                addr,
-                self._store.port,
-                world,
-                i + 1,
-                backend,
-                timeout,
-            )
-            for i, r in enumerate(ranks)
-        ]
-        pg = _coll.new_process_group(self._store, key, 0, world, backend, timeout)
-        ray.get(joins, timeout=timeout)
-        self._pgs[ident] = (key, pg)
-        return key, pg
-
-    def _start_collective(self, p: _Pending, snapshot: bool) -> None:
-        alive, dead = self._alive(p.ranks)
-        p.timings["_dead"] = dead  # type: ignore[assignment]
-        if not alive:
-            return
-        backend = self._backend(p.sources)
-        device = p.sources[0].device if backend == "nccl" else torch.device("cpu")
-        key, pg = self._process_group(alive, backend)
-        payload = {"key": key, "bucket_bytes": self.bucket_bytes}
-        for r in alive:
-            p.refs[r] = self._apply_remote(r, "collective", p.version, p.layout, payload, p.strict)
-        if snapshot:
-            # The sender keeps training: copy once into a snapshot kept between sends,
-            # then broadcast from it in a thread (large tensors straight from its views).
-            t1 = time.perf_counter()
-            with self.timers.span("weights/pack"):
-                flat = self._snapshot_buffer(p.layout.total_bytes, device)
-                pack_range(flat, p.layout, p.sources, 0, p.layout.total_bytes)
-            p.timings["pack"] = time.perf_counter() - t1
-            p.sources = list(views(flat, p.layout).values())
-            p.keep = flat
-
-            def run() -> None:
-                try:
-                    _coll.broadcast_stream(
-                        pg, p.layout, p.sources, self.bucket_bytes, device, self._coll_buffers
-                    )
-                except BaseException as e:  # noqa: BLE001 - reported by wait_async
-                    p.thread_error.append(e)
-
-            p.thread = threading.Thread(target=run, name="phalanx-weights-bcast", daemon=True)
-            p.thread.start()
-        else:
-            t1 = time.perf_counter()
+        kinds = list(dict.fromkeys(p.routes.values()))
+        while kinds:
+            kind = kinds.pop(0)
+            members = [r for r in p.ranks if p.routes[r] == kind]
             try:
-                with self.timers.span("weights/pack"):  # pack and broadcast overlap
-                    _coll.broadcast_stream(
-                        pg, p.layout, p.sources, self.bucket_bytes, device, self._coll_buffers
-                    )
-            except Exception as e:  # noqa: BLE001 - a receiver died; handled in _finish
-                p.thread_error.append(e)
-            p.timings["broadcast"] = time.perf_counter() - t1
+                payloads[kind] = self._halves[kind].place(p, members)
+            except OSError as e:
+                if kind != "shm" or self.transport != "auto" or not is_full(e):
+                    raise
+                _log.warning("%s; this sender uses the object store instead from now on", e)
+                self._shm_full = True
+                p.routes.update(dict.fromkeys(members, "object_store"))
+                if "object_store" not in payloads and "object_store" not in kinds:
+                    kinds.append("object_store")
+        p.keep.append(payloads)
+        return payloads
 
-    def _snapshot_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """A uint8 buffer of ``nbytes`` for ``send_async`` snapshots, reused between sends
-        (a fresh one costs page faults comparable to the copy itself)."""
-        buf = self._coll_snapshot
-        if buf is None or buf.numel() < nbytes or buf.device != device:
-            buf = self._coll_snapshot = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return buf[:nbytes]
+    def _put(self, version: int, layout: Layout, sources: list[torch.Tensor]) -> dict[str, Any]:
+        return self._halves["object_store"].put(version, layout, sources)
 
     # -- completion ---------------------------------------------------------------------
-    def _finish(self, p: _Pending) -> SyncResult:
+    def _finish(self, p: Send) -> SyncResult:
         deadline = p.t0 + self.timeout_s
-        if p.thread is not None:
-            p.thread.join(max(0.0, deadline - time.perf_counter()))
-            if p.thread.is_alive():  # a stuck broadcast still holds these: use new ones
-                self._coll_buffers, self._coll_snapshot = [], None
+        for kind in dict.fromkeys(p.routes.values()):
+            self._halves[kind].finish(p, deadline)
         result = SyncResult(p.version, transport=p.transport, routes=p.routes)
-        result.failed.update(p.timings.pop("_dead", {}) or {})  # type: ignore[arg-type]
+        result.failed.update(p.dead)
         mismatches: dict[int, BaseException] = {}
         acks = self._collect(p.refs, deadline, result, mismatches)
         if p.ring_path is not None:
@@ -609,19 +492,19 @@ class WeightSender:
             # The broadcast broke (a receiver died mid-way) or a receiver failed in it (it
             # may be torn): drop the groups, re-send the same version to the survivors
             # through the object store.
-            self._drop_groups()
+            self._halves["collective"].drop_groups()
             redo = [
                 r
                 for r in p.ranks
                 if r not in result.applied and r not in result.ignored and r not in mismatches
             ]
-            alive, dead = self._alive(redo)
+            alive, dead = ping({r: self.group.actors[r] for r in redo})
             for r, why in dead.items():
                 result.failed[r] = result.failed.get(r) or why
             for r in alive:
                 result.failed.pop(r, None)
             if alive:
-                payload = self._put(p.layout, p.sources)
+                payload = self._put(p.version, p.layout, p.sources)
                 refs = {
                     r: self._apply_remote(r, "object_store", p.version, p.layout, payload, p.strict)
                     for r in alive
@@ -636,8 +519,8 @@ class WeightSender:
                 result.timings[key] = max(values)
         result.timings.update(p.timings)
         result.timings["total"] = time.perf_counter() - p.t0
-        self.timers._totals["weights/transfer"] += result.timings.get("transfer", 0.0)
-        self.timers._totals["weights/apply"] += result.timings.get("apply", 0.0)
+        self.timers.add("weights/transfer", result.timings.get("transfer", 0.0))
+        self.timers.add("weights/apply", result.timings.get("apply", 0.0))
         if not mismatches and not p.prepared:
             # What the fault layer needs to re-sync a restarted worker to this version.
             self._last = (p.version, p.source, p.strict)
@@ -693,14 +576,6 @@ class WeightSender:
         result.ignored.sort()
         return acks
 
-    def _drop_groups(self) -> None:
-        for ident, (key, _) in list(self._pgs.items()):
-            for r, actor_id in zip(ident[1], ident[2]):
-                actors = self.group.actors
-                if r < len(actors) and actors[r]._actor_id.hex() == actor_id:
-                    actors[r].px_side_call.remote(_recv.collective_drop_op, key)
-        self._pgs.clear()
-
     # -- fault tolerance ----------------------------------------------------------------
     def _restore(self, ranks: list[int]) -> None:
         """Re-send the latest version to ``ranks`` (called by the fault layer after restarts).
@@ -718,25 +593,13 @@ class WeightSender:
         if self._last is None:
             return
         version, source, strict = self._last
-        last_os = self._last_os
+        last_os = self._halves["object_store"].last
         if last_os is not None and last_os[0] == version:
             _, layout, payload = last_os
         else:
             layout, sources = gather(self._named(source), name_map=self.name_map, dtype=self.dtype)
-            payload = self._put(layout, sources)
-        ranks = self._ranks(list(ranks))
-        refs = {
-            r: self._apply_remote(r, "object_store", version, layout, payload, strict)
-            for r in ranks
-        }
-        result = SyncResult(
-            version, transport="object_store", routes=dict.fromkeys(ranks, "object_store")
-        )
-        self._collect(refs, time.perf_counter() + self.timeout_s, result, {})
-        if result.failed:
-            raise RuntimeError(
-                f"weights restore to ranks {sorted(result.failed)} failed: {result.failed}"
-            )
+            payload = self._put(version, layout, sources)
+        self._resend(self._ranks(list(ranks)), "object_store", version, layout, payload, strict)
 
     def _restore_prepared(self, ranks: list[int]) -> None:
         version, replay, strict = self._prepared
@@ -748,7 +611,20 @@ class WeightSender:
             # The ring retired that buffer (a receiver did not answer): send the bytes
             # the sender still maps through the object store instead.
             transport = "object_store"
-            payload = self._put(layout, list(views(kept.tensor, layout).values()))
+            payload = self._put(version, layout, list(views(kept.tensor, layout).values()))
+        self._resend(ranks, transport, version, layout, payload, strict, kept)
+
+    def _resend(
+        self,
+        ranks: list[int],
+        transport: str,
+        version: int,
+        layout: Layout,
+        payload: Any,
+        strict: bool,
+        kept: Any = None,
+    ) -> None:
+        """Apply ``version`` again on (restarted) ``ranks``; RuntimeError if some failed."""
         refs = {
             r: self._apply_remote(r, transport, version, layout, payload, strict) for r in ranks
         }
@@ -756,7 +632,7 @@ class WeightSender:
         acks = self._collect(refs, time.perf_counter() + self.timeout_s, result, {})
         if kept is not None and transport == "shm":
             holds = {r: a.get("holds") for r, a in acks.items()}
-            self._ring.settle(kept.path, holds, [r for r in result.failed])
+            self._ring.settle(kept.path, holds, list(result.failed))
         if result.failed:
             raise RuntimeError(
                 f"weights restore to ranks {sorted(result.failed)} failed: {result.failed}"
@@ -765,16 +641,10 @@ class WeightSender:
     @staticmethod
     def _cleanup(state: dict[str, Any], remove_hook: Any) -> None:
         remove_hook()
-        ring = state.get("_ring")
-        if ring is not None:
-            ring.close()
+        for half in state.get("_halves", {}).values():
+            half.close()
         _shm_files.reap_orphans()
-        state["_pgs"] = {}
         state["_prepared"] = None
-        state["_last_os"] = None
-        state["_os_buffer"] = None
-        state["_coll_buffers"] = []
-        state["_coll_snapshot"] = None
 
 
 class _RestoreHook:
@@ -787,47 +657,6 @@ class _RestoreHook:
         sender = self._ref()
         if sender is not None:
             sender._restore(ranks)
-
-
-def check_finite(layout: Layout, sources: list[torch.Tensor]) -> None:
-    """Raise ``ValueError`` naming the first floating-point tensor holding NaN or Inf.
-
-    One reduction per tensor (a sum is NaN/Inf when any element is); only a tensor whose
-    sum is not finite is checked element by element, since a sum of large finite values
-    may overflow.
-    """
-    for spec, t in zip(layout.specs, sources):
-        if not t.is_floating_point() or t.numel() == 0:
-            continue
-        acc = torch.float64 if t.dtype == torch.float64 else torch.float32
-        if bool(torch.isfinite(t.sum(dtype=acc))):
-            continue
-        bad = ~torch.isfinite(t)
-        if bool(bad.any()):
-            n = int(bad.sum())
-            raise ValueError(
-                f"weights: {spec.name!r} holds {n} NaN/Inf value(s) of {t.numel()}; nothing was "
-                "sent (pass allow_nonfinite=True to send them anyway)"
-            )
-
-
-def ping(
-    actors: Mapping[int, Any], timeout_s: float = _PING_TIMEOUT_S
-) -> tuple[list[int], dict[int, str]]:
-    """Ping phalanx worker ``actors`` (rank -> handle): the ranks alive, and why the others are not."""
-    refs = {r: a._px_ping.remote() for r, a in actors.items()}
-    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-    alive, dead = [], {}
-    for r, ref in refs.items():
-        if ref not in ready:
-            dead[r] = f"did not answer a ping within {timeout_s}s"
-            continue
-        try:
-            ray.get(ref)
-            alive.append(r)
-        except (RayActorError, RayTaskError) as e:
-            dead[r] = f"worker died: {type(e).__name__}"
-    return alive, dead
 
 
 class RayModuleTransformSender(WeightSender):
@@ -850,7 +679,7 @@ class RayModuleTransformSender(WeightSender):
 
     def _start(
         self, weights: Any, worker_ids: Any, snapshot: bool, strict: bool | None = None
-    ) -> _Pending:
+    ) -> Send:
         return super()._start(
             weights, self.worker_id if worker_ids is None else worker_ids, snapshot, strict
         )
@@ -860,14 +689,8 @@ class RayModuleTransformSender(WeightSender):
         return self.send(weights)
 
 
-def _is_mapping(x: Any) -> bool:
-    return isinstance(x, Mapping)
-
-
 def _physical_gpu(device: torch.device) -> str:
     """The node-level id of a CUDA device (``CUDA_VISIBLE_DEVICES`` maps local indices)."""
-    import os
-
     index = device.index if device.index is not None else torch.cuda.current_device()
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible:

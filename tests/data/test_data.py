@@ -155,6 +155,41 @@ def test_from_batches_accepts_empty_list_and_empty_batches_missing_keys() -> Non
     assert both_empty["x"].shape == (0, 3)
 
 
+def test_from_batches_names_keys_that_disagree_on_rows() -> None:
+    with pytest.raises(ValueError, match=r"batches\[0\]: .*\{'a': 2, 'b': 3\}"):
+        BatchedDataDict.from_batches([{"a": [1, 2], "b": [1, 2, 3]}])
+
+
+def test_from_batches_different_keys_is_nemo_rl_key_error() -> None:
+    full = {"ids": torch.tensor([[1, 2, 3]]), "experts": torch.ones(1, 3, 2)}
+    with pytest.raises(KeyError, match="non-empty batches") as info:
+        BatchedDataDict.from_batches([full, {"ids": torch.tensor([[4, 5, 6]])}])
+    assert str(info.value) == (
+        "Key 'experts' is missing from non-empty batches [1] (batches[0] has it); all "
+        "non-empty batches need the same keys"
+    )
+    assert isinstance(info.value, ValueError)
+    # a key missing only from an empty batch is kept
+    empty = {"ids": torch.zeros((0, 0), dtype=torch.long)}
+    out = BatchedDataDict.from_batches([empty, full])
+    assert list(out) == ["ids", "experts"] and out["experts"].shape == (1, 3, 2)
+
+
+def test_from_batches_sizes_a_batch_from_its_first_field() -> None:
+    class Metadata:  # NeMo-RL never measures such a value
+        def __len__(self) -> int:
+            raise AssertionError("measured")
+
+    batches = [
+        {"tokens": torch.tensor([[1], [2]]), "metadata": Metadata()},
+        {"tokens": torch.tensor([[3]]), "metadata": Metadata(), "extra": torch.tensor([1])},
+    ]
+    with pytest.raises(KeyError, match="'extra'"):
+        BatchedDataDict.from_batches(batches)
+    with pytest.raises(TypeError, match="'metadata'"):  # measured only to concatenate it
+        BatchedDataDict.from_batches(batches[:1])
+
+
 # ----------------------------------------------------------------------------- basics
 
 
@@ -698,8 +733,68 @@ def test_packing_mffd_leftovers_and_microbatch_order() -> None:
         d.shard_by_batch_size(1, sequence_packing_args={**args, "microbatch_order": "smallest"})
 
 
+def _nemo_packing(lengths: list[int], order: str | None, shards: int = 2, **kw: int) -> tuple:
+    d = BatchedDataDict(
+        {
+            "input_ids": torch.ones((len(lengths), 100), dtype=torch.long),
+            "sequence_lengths": torch.tensor(lengths),
+            "problem_ids": torch.arange(len(lengths)),
+        }
+    )
+    args = {
+        "max_tokens_per_microbatch": 100,
+        "input_key": "input_ids",
+        "input_lengths_key": "sequence_lengths",
+        "algorithm": "modified_first_fit_decreasing",
+        "microbatch_order": order,
+        "sequence_length_pad_multiple": 1,
+    }
+    shards_out, perm = d.shard_by_batch_size(shards, sequence_packing_args=args, **kw)
+    return d, shards_out, perm
+
+
+def test_packing_largest_first_keeps_each_shards_bins_as_nemo_rl() -> None:
+    lengths = [46, 24, 55, 88, 11, 14, 73, 17]
+    _, packer, _ = _nemo_packing(lengths, "packer")
+    d, largest, perm = _nemo_packing(lengths, "largest_first")
+    assert [s.micro_batch_lengths for s in packer] == [[[99, 96]], [[87, 46]]]
+    assert [s.micro_batch_lengths for s in largest] == [[[99, 96]], [[87, 46]]]
+    assert [s["problem_ids"].tolist() for s in largest] == [[3, 4, 2, 7, 1], [6, 5, 0]]
+    assert perm == [3, 4, 2, 7, 1, 6, 5, 0]
+    gathered = BatchedDataDict.from_batches(largest)
+    gathered.reorder_data(perm)
+    assert torch.equal(gathered["problem_ids"], d["problem_ids"])
+    _, omitted, _ = _nemo_packing(lengths, None)  # NeMo-RL: omitted means "packer"
+    assert [s.micro_batch_lengths for s in omitted] == [[[99, 96]], [[87, 46]]]
+
+
+def test_packing_largest_first_orders_within_shard_and_global_batch() -> None:
+    lengths = [46, 24, 55, 88, 11, 14, 73, 17, 31, 67, 19, 82, 12, 43, 58, 21]
+    _, packer, _ = _nemo_packing(lengths, "packer", batch_size=8)
+    d, largest, perm = _nemo_packing(lengths, "largest_first", batch_size=8)
+    assert [s.micro_batch_lengths for s in packer] == [[[99, 96], [94, 98]], [[87, 46], [98, 43]]]
+    assert [s.micro_batch_lengths for s in largest] == [
+        [[99, 96], [98, 94]],
+        [[87, 46], [98, 43]],
+    ]
+    assert [s["problem_ids"].tolist() for s in largest] == [
+        [3, 4, 2, 7, 1, 14, 10, 15, 11, 12],
+        [6, 5, 0, 9, 8, 13],
+    ]
+    assert [s.elem_counts_per_gb for s in largest] == [[5, 5], [3, 3]]
+    gathered = BatchedDataDict.from_batches(largest)
+    gathered.reorder_data(perm)
+    assert torch.equal(gathered["problem_ids"], d["problem_ids"])
+    # one global batch: equal bins keep the packer's order (a stable sort)
+    _, one, _ = _nemo_packing(lengths, "largest_first")
+    assert [s.micro_batch_lengths for s in one] == [[[100, 99, 94, 65]], [[98, 98, 96, 11]]]
+    assert one[1]["problem_ids"].tolist() == [9, 8, 2, 13, 11, 5, 4]
+    with pytest.raises(ValueError, match="microbatch_order"):
+        _nemo_packing([4, 5], "unknown", shards=1)
+
+
 def test_packers_match_nemo_rl_layouts() -> None:
-    from phalanx.data.packing import adjust_bin_count, pack
+    from phalanx.data.bin_packing import adjust_bin_count, pack
 
     # FFD, capacity 10
     assert pack([4, 8, 1, 4, 2, 1], 10, "first_fit_decreasing") == [[1, 4], [3, 0, 5, 2]]

@@ -421,7 +421,7 @@ def test_collective_broken_midway_claims_no_version(cluster):
     """The sender stops after the first segment: receivers that were receiving in place
     time out, keep their old version and say they are torn; a whole version repairs them."""
     from phalanx.weights.layout import as_bytes, gather, to_named_tensors
-    from phalanx.weights.transports.collective import broadcast, plan
+    from phalanx.weights.transports.collective import CollectiveSender, broadcast, plan
 
     g = Receiver.create_group().launch(cluster, px.NodePlacement(num_workers=2), name="w_torn")
     try:
@@ -432,7 +432,7 @@ def test_collective_broken_midway_claims_no_version(cluster):
         assert sender.send().ok
         v_old = sender.version
         _bump(model, 100)
-        key, pg = sender._process_group([0, 1], "gloo")
+        key, pg = CollectiveSender(sender).process_group([0, 1], "gloo")
         layout, sources = gather(to_named_tensors(model))
         payload = {"key": key, "bucket_bytes": sender.bucket_bytes}
         refs = [sender._apply_remote(r, "collective", v_old + 1, layout, payload) for r in (0, 1)]

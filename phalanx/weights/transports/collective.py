@@ -25,16 +25,23 @@ ignore the version or whose module does not match (their call then fails, unchan
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+import uuid
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import ray
 import torch
+from ray.exceptions import RayActorError, RayTaskError
 
-from phalanx.comm.process_group import broadcast, join_store, make_process_group
+from phalanx.comm.process_group import broadcast, host_store, join_store, make_process_group
 from phalanx.weights.layout import Layout, as_bytes, pack_range, unpack_range, views
+from phalanx.weights.targets import copy_aliases, module_of, target_tensors, validate
+from phalanx.weights.transports.base import Send, SenderHalf
 from phalanx.worker.weights_state import receiver_state
 
 _DIRECT_MIN = 1 << 20
+_PING_TIMEOUT_S = 10.0
 
 
 def new_process_group(
@@ -266,8 +273,6 @@ def apply_in_place(
     match); the caller then stages. A transfer that breaks midway raises with the version
     unclaimed and ``weights_torn`` set (see the module docstring).
     """
-    from phalanx.weights.receiver import copy_aliases, module_of, target_tensors, validate
-
     state = receiver_state(worker)
     if state.view is not None:
         return None  # the staged path gives it private storage first
@@ -323,3 +328,137 @@ def _receive_staged(
         pg, layout, payload["bucket_bytes"], device, staging[: layout.total_bytes]
     )
     return ({} if skip else views(flat, layout)), lambda: None
+
+
+# -- sender half, run on the driver ----------------------------------------------------------
+
+
+def ping(
+    actors: Mapping[int, Any], timeout_s: float = _PING_TIMEOUT_S
+) -> tuple[list[int], dict[int, str]]:
+    """Ping phalanx worker ``actors`` (rank -> handle): the ranks alive, and why the others are not."""
+    refs = {r: a._px_ping.remote() for r, a in actors.items()}
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    alive, dead = [], {}
+    for r, ref in refs.items():
+        if ref not in ready:
+            dead[r] = f"did not answer a ping within {timeout_s}s"
+            continue
+        try:
+            ray.get(ref)
+            alive.append(r)
+        except (RayActorError, RayTaskError) as e:
+            dead[r] = f"worker died: {type(e).__name__}"
+    return alive, dead
+
+
+class CollectiveSender(SenderHalf):
+    """Rank 0 of a process group per set of receivers (cached, rebuilt when one of them
+    was restarted); broadcasts each version by ``plan``. ``place`` pings the receivers
+    and records the dead ones in ``send.dead``; ``start`` broadcasts (in a thread when
+    the caller keeps training: ``snapshot``)."""
+
+    def __init__(self, owner: Any):
+        super().__init__(owner)
+        self._store: Any = None
+        self._pgs: dict[tuple, tuple[str, Any]] = {}
+        self._buffers: list[torch.Tensor] = []  # the double buffer, reused
+        self._snapshot: torch.Tensor | None = None  # send_async snapshot, reused
+        self._group: tuple[Any, torch.device] | None = None  # (pg, device) of the send
+
+    def place(self, send: Send, ranks: list[int]) -> dict[str, Any] | None:
+        alive, dead = ping({r: self.owner.group.actors[r] for r in ranks})
+        send.dead.update(dead)
+        if not alive:
+            return None
+        backend = self.owner.backend or (
+            "nccl" if send.sources and send.sources[0].device.type == "cuda" else "gloo"
+        )
+        device = send.sources[0].device if backend == "nccl" else torch.device("cpu")
+        key, pg = self.process_group(alive, backend)
+        self._group = (pg, device)
+        return {"key": key, "bucket_bytes": self.owner.bucket_bytes}
+
+    def start(self, send: Send, snapshot: bool) -> None:
+        if self._group is None:
+            return
+        (pg, device), self._group = self._group, None
+        bucket = self.owner.bucket_bytes
+        if not snapshot:
+            t1 = time.perf_counter()
+            try:
+                with self.owner.timers.span("weights/pack"):  # pack and broadcast overlap
+                    broadcast_stream(pg, send.layout, send.sources, bucket, device, self._buffers)
+            except Exception as e:  # noqa: BLE001 - a receiver died; the sender re-sends
+                send.thread_error.append(e)
+            send.timings["broadcast"] = time.perf_counter() - t1
+            return
+        # The caller keeps training: copy once into a snapshot kept between sends, then
+        # broadcast from it in a thread (large tensors straight from its views).
+        t1 = time.perf_counter()
+        with self.owner.timers.span("weights/pack"):
+            flat = self._snapshot_buffer(send.layout.total_bytes, device)
+            pack_range(flat, send.layout, send.sources, 0, send.layout.total_bytes)
+        send.timings["pack"] = time.perf_counter() - t1
+        send.sources = list(views(flat, send.layout).values())
+        send.keep.append(flat)
+        buffers = self._buffers
+
+        def run() -> None:
+            try:
+                broadcast_stream(pg, send.layout, send.sources, bucket, device, buffers)
+            except BaseException as e:  # noqa: BLE001 - reported by wait_async
+                send.thread_error.append(e)
+
+        send.thread = threading.Thread(target=run, name="phalanx-weights-bcast", daemon=True)
+        send.thread.start()
+
+    def finish(self, send: Send, deadline: float) -> None:
+        if send.thread is not None:
+            send.thread.join(max(0.0, deadline - time.perf_counter()))
+            if send.thread.is_alive():  # a stuck broadcast still holds these: use new ones
+                self._buffers, self._snapshot = [], None
+
+    def drop_groups(self) -> None:
+        """Forget every process group (the receivers still alive forget theirs too)."""
+        actors = self.owner.group.actors
+        for ident, (key, _) in list(self._pgs.items()):
+            for r, actor_id in zip(ident[1], ident[2]):
+                if r < len(actors) and actors[r]._actor_id.hex() == actor_id:
+                    actors[r].px_side_call.remote(drop, key)
+        self._pgs.clear()
+
+    def close(self) -> None:
+        self._pgs = {}
+        self._buffers, self._snapshot = [], None
+
+    def _snapshot_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A uint8 buffer of ``nbytes`` for ``send_async`` snapshots, reused between sends
+        (a fresh one costs page faults comparable to the copy itself)."""
+        buf = self._snapshot
+        if buf is None or buf.numel() < nbytes or buf.device != device:
+            buf = self._snapshot = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf[:nbytes]
+
+    def process_group(self, ranks: list[int], backend: str) -> tuple[str, Any]:
+        """The key and process group of ``ranks`` (made, and joined by them, when new)."""
+        actors = self.owner.group.actors
+        ident = (backend, tuple(ranks), tuple(actors[r]._actor_id.hex() for r in ranks))
+        if ident in self._pgs:
+            return self._pgs[ident]
+        addr = ray.util.get_node_ip_address()
+        if self._store is None:
+            self._store = host_store(addr, self.owner.timeout_s)
+        key = uuid.uuid4().hex[:12]
+        world = len(ranks) + 1
+        timeout = min(self.owner.timeout_s, 120.0)
+        joins = [
+            actors[r].px_side_call.remote(
+                join, key, addr, self._store.port, world, i + 1, backend, timeout
+            )
+            for i, r in enumerate(ranks)
+        ]
+        pg = new_process_group(self._store, key, 0, world, backend, timeout)
+        ray.get(joins, timeout=timeout)
+        self._pgs[ident] = (key, pg)
+        return key, pg

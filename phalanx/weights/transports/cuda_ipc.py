@@ -14,10 +14,11 @@ import torch
 
 from phalanx.comm.cuda_ipc import open_handle, share
 from phalanx.weights.layout import Layout, pack_range, views
+from phalanx.weights.transports.base import Send, SenderHalf
 
 ipc_handle = share  # the weights layer's name for it
 
-__all__ = ["ipc_handle", "open_handle", "pack_to_cuda", "receive"]
+__all__ = ["CudaIpcSender", "ipc_handle", "open_handle", "pack_to_cuda", "receive"]
 
 
 def pack_to_cuda(layout: Layout, sources: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -26,6 +27,15 @@ def pack_to_cuda(layout: Layout, sources: list[torch.Tensor], device: torch.devi
     pack_range(flat, layout, sources, 0, layout.total_bytes)
     torch.cuda.synchronize(device)
     return flat
+
+
+class CudaIpcSender(SenderHalf):
+    """Packs each version into a fresh CUDA buffer kept alive until its receivers are done."""
+
+    def place(self, send: Send, ranks: list[int]) -> Any:
+        flat = pack_to_cuda(send.layout, send.sources, send.sources[0].device)
+        send.keep.append(flat)
+        return ipc_handle(flat)
 
 
 def receive(

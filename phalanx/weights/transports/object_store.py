@@ -26,6 +26,7 @@ import ray
 import torch
 
 from phalanx.weights.layout import Layout, as_bytes, pack_range, views
+from phalanx.weights.transports.base import Send, SenderHalf
 
 
 def needs_packing(layout: Layout, sources: list[torch.Tensor]) -> bool:
@@ -56,6 +57,28 @@ def put(
         pack_range(buf[: e - s], layout, sources, s, e)
         refs.append(ray.put(buf[: e - s].numpy()))  # put copies: the buffer is reused
     return {"mode": "buckets", "refs": refs, "bucket_bytes": bucket_bytes}, buf
+
+
+class ObjectStoreSender(SenderHalf):
+    """Puts each version once for all its receivers; keeps the packing buffer and the
+    latest payload (to restore restarted workers without packing again)."""
+
+    def __init__(self, owner: Any):
+        super().__init__(owner)
+        self.buffer: torch.Tensor | None = None
+        self.last: tuple[int, Layout, Any] | None = None  # (version, layout, payload)
+
+    def place(self, send: Send, ranks: list[int]) -> dict[str, Any]:
+        return self.put(send.version, send.layout, send.sources)
+
+    def put(self, version: int, layout: Layout, sources: list[torch.Tensor]) -> dict[str, Any]:
+        """Put ``version``'s stream; the payload (also kept as ``last``)."""
+        payload, self.buffer = put(layout, sources, self.owner.bucket_bytes, self.buffer)
+        self.last = (version, layout, payload)
+        return payload
+
+    def close(self) -> None:
+        self.buffer = self.last = None
 
 
 def _tensor(arr: np.ndarray) -> torch.Tensor:

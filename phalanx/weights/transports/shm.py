@@ -20,6 +20,8 @@ transport instead.
 
 from __future__ import annotations
 
+import errno
+import shutil
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -27,8 +29,9 @@ from typing import Any
 
 import torch
 
-from phalanx.comm.shm import Segment, segment_path
+from phalanx.comm.shm import SHM_DIR, Segment, segment_path
 from phalanx.weights.layout import Layout, pack_range, views
+from phalanx.weights.transports.base import Send, SenderHalf
 from phalanx.worker.weights_state import receiver_state
 
 _CACHE = "shm_maps"
@@ -42,6 +45,21 @@ class _Buffer:
     reserved: bool = False  # handed to an outside writer, not yet committed to a version
 
 
+def is_full(error: BaseException) -> bool:
+    """True when ``error`` says ``/dev/shm`` has no room (``ENOSPC``)."""
+    return isinstance(error, OSError) and error.errno == errno.ENOSPC
+
+
+def _full(nbytes: int, why: str) -> OSError:
+    free = shutil.disk_usage(SHM_DIR).free
+    return OSError(
+        errno.ENOSPC,
+        f"{SHM_DIR} has no room for a weights buffer of {nbytes} bytes ({nbytes / 2**20:.1f} "
+        f"MiB; {why}, {free} bytes free there): give the machine (or container) a larger "
+        f"{SHM_DIR}, or send with transport='auto' or 'object_store'",
+    )
+
+
 class ShmRing:
     """The sender's shared buffers (at most ``max_buffers`` kept; more are retired).
 
@@ -51,8 +69,9 @@ class ShmRing:
     when no receiver holds it.
     """
 
-    def __init__(self, max_buffers: int = 3):
+    def __init__(self, max_buffers: int = 3, max_bytes: int | None = None):
         self.max_buffers = max_buffers
+        self.max_bytes = max_bytes  # the most bytes of /dev/shm its buffers may take
         self._bufs: list[_Buffer] = []
         self._retired: list[str] = []
 
@@ -80,7 +99,15 @@ class ShmRing:
         while len(self._bufs) >= self.max_buffers:  # all held: retire the oldest
             spare = [b for b in self._bufs if not b.reserved] or self._bufs
             self._retire(min(spare, key=lambda b: b.version))
-        buf = _Buffer(Segment.create(nbytes, tag="w"))
+        held = sum(b.segment.size for b in self._bufs)
+        if self.max_bytes is not None and held + nbytes > self.max_bytes:
+            raise _full(nbytes, f"the sender may use {self.max_bytes} bytes, {held} in use")
+        try:
+            buf = _Buffer(Segment.create(nbytes, tag="w"))
+        except OSError as e:
+            if not is_full(e):
+                raise
+            raise _full(nbytes, "the allocation failed") from e
         self._bufs.append(buf)
         return buf
 
@@ -146,6 +173,19 @@ class ShmRing:
         buf.segment.unlink()
         self._bufs.remove(buf)
         self._retired.append(buf.segment.path)
+
+
+class ShmSender(ShmRing, SenderHalf):
+    """The shm transport's sender half: the sender's ring of shared buffers."""
+
+    def __init__(self, owner: Any):
+        SenderHalf.__init__(self, owner)
+        ShmRing.__init__(self, max_bytes=owner.shm_max_bytes)
+
+    def place(self, send: Send, ranks: list[int]) -> dict[str, Any]:
+        payload = self.write(send.layout, send.sources, send.version)
+        send.ring_path = payload["path"]
+        return payload
 
 
 def ShmSegment(size: int, name: str | None = None, create: bool = True) -> Segment:  # noqa: N802

@@ -1,0 +1,137 @@
+"""The receiving module's tensors and how a sent version is checked and copied into them.
+
+Shared by the receiver (``receiver.py``) and the transports that receive in place
+(``transports/collective.py``): the module that receives (``weights_module()`` or
+``model``), its parameters and buffers by state-dict name, the check of a whole version
+against them (names, shapes, dtypes, tied names, missing names) and the copy.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from phalanx.weights.layout import Layout
+
+__all__ = [
+    "NoModelError",
+    "WeightMismatchError",
+    "copy_aliases",
+    "copy_into",
+    "module_of",
+    "target_tensors",
+    "validate",
+]
+
+
+class WeightMismatchError(ValueError):
+    """Sent weights do not fit the receiver's module; nothing was changed."""
+
+
+class NoModelError(WeightMismatchError):
+    """The receiver holds no model to receive weights into."""
+
+
+def module_of(worker: Any) -> Any:
+    """The module that receives weights on ``worker`` (``weights_module()`` or ``model``)."""
+    fn = getattr(worker, "weights_module", None)
+    try:
+        module = fn() if callable(fn) else getattr(worker, "model", None)
+    except AttributeError as e:
+        raise NoModelError(str(e)) from None
+    if module is None:
+        raise NoModelError(
+            f"{type(worker).__name__} has no model to receive weights: set self.model "
+            "or define weights_module()"
+        )
+    return module
+
+
+def target_tensors(module: Any) -> dict[str, torch.Tensor]:
+    """Parameters and buffers by state-dict name (the tensors themselves, not copies)."""
+    if isinstance(module, torch.nn.Module):
+        return dict(module.state_dict(keep_vars=True))
+    if isinstance(module, dict):
+        return dict(module)
+    raise TypeError(f"weights_module() must return an nn.Module, got {type(module).__name__}")
+
+
+def validate(
+    targets: dict[str, torch.Tensor], layout: Layout, strict: bool = False
+) -> tuple[str, ...]:
+    """Raise ``WeightMismatchError`` naming the first parameter that does not fit.
+
+    Returns the receiver's names the layout does not carry; with ``strict`` any such name
+    is an error too.
+    """
+    for spec in layout.specs:
+        t = targets.get(spec.name)
+        if t is None:
+            raise WeightMismatchError(
+                f"unknown parameter {spec.name!r} (sent shape {list(spec.shape)}): the "
+                f"receiver's module has no such parameter or buffer"
+            )
+        if tuple(t.shape) != spec.shape:
+            raise WeightMismatchError(
+                f"parameter {spec.name!r}: shape mismatch, receiver has {list(t.shape)}, "
+                f"sent {list(spec.shape)}"
+            )
+        if t.dtype != spec.torch_dtype:
+            raise WeightMismatchError(
+                f"parameter {spec.name!r}: dtype mismatch, receiver has "
+                f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}, sent {spec.dtype} "
+                f"{list(spec.shape)}"
+            )
+    specs = {s.name: s for s in layout.specs}
+    for alias, canon in layout.aliases.items():
+        t, spec = targets.get(alias), specs[canon]
+        if t is None or tuple(t.shape) != spec.shape or t.dtype != spec.torch_dtype:
+            have = "missing" if t is None else f"{list(t.shape)} {t.dtype}"
+            raise WeightMismatchError(
+                f"parameter {alias!r} (tied to {canon!r}): receiver has {have}, sent "
+                f"{list(spec.shape)} {spec.dtype}"
+            )
+    missing = tuple(sorted(set(targets) - set(specs) - set(layout.aliases)))
+    if strict and missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise WeightMismatchError(
+            f"missing parameters {list(missing[:5])}{more}: the sent weights do not cover the "
+            "receiver's module (send them all, or pass strict=False for a partial update)"
+        )
+    return missing
+
+
+def copy_into(
+    targets: dict[str, torch.Tensor], layout: Layout, sources: dict[str, torch.Tensor]
+) -> None:
+    """Copy every source into its target in place (after ``validate``)."""
+    with torch.no_grad():
+        for spec in layout.specs:
+            src = sources[spec.name]
+            if isinstance(src, list):
+                _copy_pieces(targets[spec.name], spec.torch_dtype, src)
+            else:
+                targets[spec.name].copy_(src)
+        copy_aliases(targets, layout)
+
+
+def _copy_pieces(dst: torch.Tensor, dtype: torch.dtype, pieces: list[torch.Tensor]) -> None:
+    """Copy uint8 pieces that together hold ``dst``'s bytes into it, each piece once."""
+    if not dst.is_contiguous():
+        dst.copy_(torch.cat(pieces).view(dtype).view(dst.shape))
+        return
+    flat = dst.detach().reshape(-1).view(torch.uint8)
+    at = 0
+    for piece in pieces:
+        flat[at : at + piece.numel()].copy_(piece)
+        at += piece.numel()
+
+
+def copy_aliases(targets: dict[str, torch.Tensor], layout: Layout) -> None:
+    """Tied names whose receiver tensor is not shared with their canonical one get a copy."""
+    for alias, canon in layout.aliases.items():
+        dst = targets[alias]
+        if dst.data_ptr() != targets[canon].data_ptr():
+            dst.copy_(targets[canon])
