@@ -19,13 +19,21 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import phalanx as px  # noqa: E402
+from phalanx.resources.ray_start import RayStartError  # noqa: E402
 
 SESSION_CPUS = 32
 _state: dict[str, px.Cluster] = {}
 
 
 def _start_shared() -> px.Cluster:
-    return px.Cluster(num_cpus=SESSION_CPUS, num_gpus=0)
+    """The shared Ray, on loopback (every phalanx listener of the suite binds to 127.0.0.1).
+
+    ``px.Cluster`` retries Ray's start on a busy machine; when even that fails, the
+    session stops with one line instead of an error per test."""
+    try:
+        return px.Cluster(num_cpus=SESSION_CPUS, num_gpus=0, _node_ip_address="127.0.0.1")
+    except RayStartError as e:
+        pytest.exit(f"Ray could not start: {e}", returncode=4)
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +66,7 @@ def fresh_ray():
 @pytest.fixture(scope="session")
 def model_path(tmp_path_factory):
     """The tiny decoder of the LLM tests, saved once per session (tests only read it)."""
-    from phalanx.llm.tiny_task import build_tiny_model
+    from phalanx.algorithms.grpo_tiny_task import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 

@@ -1,2 +1,2 @@
-"""Bottom layer: small utilities every layer uses (errors, timing, the trace recorder,
+"""Bottom layer: small utilities every layer uses (errors, timing, argument checks,
 worker addresses, lazy exports). Imports nothing else from phalanx."""

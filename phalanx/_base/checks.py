@@ -98,3 +98,11 @@ def check_tags(value: Any, arg: str = "tags") -> set[str] | None:
     if isinstance(value, (list, tuple, set, frozenset)) and all(isinstance(t, str) for t in value):
         return set(value)
     raise TypeError(f"{arg} must be a str, a list of str or None, got {value!r}")
+
+
+def check_choice(value: Any, choices: Iterable[Any], arg: str) -> Any:
+    """``value`` if it is one of ``choices``; ``ValueError`` naming ``arg`` and the choices."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise ValueError(f"{arg} must be one of {choices}, got {value!r}")
+    return value

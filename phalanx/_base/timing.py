@@ -47,6 +47,10 @@ class TimerRecorder:
             for listener in self.listeners:
                 listener(tag, start, end, len(self._stack))
 
+    def add(self, tag: str, seconds: float) -> None:
+        """Add ``seconds`` measured elsewhere (e.g. in another process) to ``tag``."""
+        self._totals[tag] += seconds
+
     def consume(self) -> dict[str, float]:
         """Return the totals recorded since the last call and reset them."""
         out = dict(self._totals)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
-from phalanx.cli.main import main
+from phalanx._base.lazy import lazy_exports
 
-__all__ = ["main"]
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "main": ".main",
+    },
+)

@@ -19,12 +19,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from phalanx._base.checks import check_number
+
 NAMESPACE = "phalanx"
+BAD_INPUT = 1  # exit status: no cluster at the address, a bad flag
+RUNTIME_FAILURE = 4  # exit status: the cluster is there but refused this client
+TOKEN_HELP = (
+    "pass the cluster's token with RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<token>, "
+    "RAY_AUTH_TOKEN_PATH=<file> or the file ~/.ray/auth_token"
+)
 
 
 @dataclass
@@ -60,6 +69,13 @@ class GroupStatus:
         return sum(w.restarts for w in self.workers)
 
 
+def _check_positive(value: Any, arg: str) -> float:
+    value = check_number(value, arg)
+    if value <= 0:
+        raise ValueError(f"{arg} must be > 0, got {value:g}")
+    return value
+
+
 def _split(name: str) -> tuple[str, int] | None:
     group, sep, rank = name.rpartition(":")
     if not sep or not group or not rank.isdigit():
@@ -87,8 +103,7 @@ def collect_status(timeout_s: float = 5.0, group: str | None = None) -> list[Gro
     import ray
     from ray.exceptions import GetTimeoutError, RayActorError
 
-    if not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    _check_positive(timeout_s, "timeout_s")
     if not ray.is_initialized():
         raise RuntimeError("not connected to Ray: call ray.init(address=...) or px.Cluster() first")
     named = [
@@ -209,7 +224,12 @@ def render(groups: list[GroupStatus], console: Any = None) -> None:
             title_justify="left",
         )
         for col in ("rank", "health", "node", "pid", "restarts", "current call", "up", "class"):
-            table.add_column(col, justify="right" if col in ("rank", "pid", "restarts") else "left")
+            # names wrap onto more lines rather than being cut at the terminal's width
+            table.add_column(
+                col,
+                justify="right" if col in ("rank", "pid", "restarts") else "left",
+                overflow="fold",
+            )
         for w in g.workers:
             call = ""
             if w.current_call:
@@ -245,20 +265,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
-def _unreachable(address: str, timeout_s: float = 3.0) -> str | None:
-    """Why ``address`` has no reachable Ray GCS, or None. ``ray.init`` would retry for minutes."""
-    import socket
-
+def _resolve(address: str) -> tuple[str | None, str | None]:
+    """(``host:port`` of the GCS, None) for ``address``, or (None, why there is none);
+    (None, None) for a Ray client or jobs address, which ``ray.init`` handles itself."""
     if address.startswith(("ray://", "http://", "https://")):
-        return None  # Ray client / jobs addresses: let ray.init handle them
+        return None, None
     try:
         from ray._private.services import canonicalize_bootstrap_address
 
         resolved = canonicalize_bootstrap_address(address)
     except Exception as e:  # noqa: BLE001 - e.g. "auto" with no local cluster
-        return str(e).splitlines()[0] if str(e) else type(e).__name__
+        return None, str(e).splitlines()[0] if str(e) else type(e).__name__
     if not resolved:
-        return "no running cluster found"
+        return None, "no running cluster found"
+    return resolved, None
+
+
+def _unreachable(resolved: str, timeout_s: float = 3.0) -> str | None:
+    """Why nothing listens at ``resolved`` (``host:port``), or None.
+    ``ray.init`` would retry for minutes."""
+    import socket
+
     host, _, port = resolved.rpartition(":")
     if not port.isdigit():
         return None
@@ -269,28 +296,110 @@ def _unreachable(address: str, timeout_s: float = 3.0) -> str | None:
         return f"cannot connect to {resolved}: {e.strerror or e}"
 
 
-def run(args: argparse.Namespace) -> int:
-    import ray
+def _token_source() -> str | None:
+    """Where Ray takes this client's token from (Ray's order), or None when it sends none."""
+    from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, get_authentication_mode
 
+    if get_authentication_mode() != AuthenticationMode.TOKEN:
+        return None
+    if not AuthenticationTokenLoader.instance().has_token():
+        return None
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return f"RAY_AUTH_TOKEN_PATH ({os.environ['RAY_AUTH_TOKEN_PATH']})"
+    return "~/.ray/auth_token"
+
+
+def _auth_failure(resolved: str, timeout_s: float = 5.0) -> str | None:
+    """Why the GCS at ``resolved`` refuses this client's token, or None (accepted, no
+    authentication, or another problem that ``ray.init`` reports). One RPC over Ray's own
+    channel, with the headers Ray would send: ``ray.init`` retries a refused token for a
+    minute and logs every try."""
+    import grpc
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    from ray.exceptions import AuthenticationError
+
+    channel = init_grpc_channel(resolved)
+    try:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)
+    except AuthenticationError:  # raised here, before sending, by Ray's token loader
+        return "RAY_AUTH_MODE is 'token' but this client has no token"
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.UNAUTHENTICATED:
+            return None
+        source = _token_source()
+        if source is None:
+            return "the cluster requires a token and this client sent none"
+        return f"the cluster rejected the token from {source}"
+    finally:
+        channel.close()
+    return None
+
+
+def _preflight(address: str) -> tuple[int, str] | None:
+    """(exit status, one-line message) when this client cannot use a cluster at
+    ``address``, else None; fast where ``ray.init`` would retry for a minute."""
+    if address == "auto":
+        # as ray.init does for a local cluster found automatically: use a token if one exists
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available,
+        )
+
+        maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    resolved, problem = _resolve(address)
+    problem = problem or (resolved and _unreachable(resolved))
+    if problem:
+        return BAD_INPUT, f"no Ray cluster at {address!r} ({problem})"
+    refused = resolved and _auth_failure(resolved)
+    if refused:
+        return RUNTIME_FAILURE, f"authentication failed at {address!r}: {refused}; {TOKEN_HELP}"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """``phalanx status``: print the live groups; returns the exit status."""
+    import ray
+    from ray.exceptions import AuthenticationError
+
+    try:
+        _check_positive(args.timeout, "--timeout")
+    except ValueError as e:
+        print(f"phalanx status: {e}", file=sys.stderr)
+        return BAD_INPUT
     connected_here = False
     if not ray.is_initialized():
         address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
-        problem = _unreachable(address)
-        if problem:
-            print(f"phalanx status: no Ray cluster at {address!r} ({problem})")
-            return 1
+        failure = _preflight(address)
+        if failure:
+            print(f"phalanx status: {failure[1]}")
+            return failure[0]
         try:
-            ray.init(
+            context = ray.init(
                 address=address,
                 namespace=NAMESPACE,
                 log_to_driver=False,
                 logging_level="ERROR",
                 configure_logging=False,
             )
+        except AuthenticationError as e:
+            print(
+                f"phalanx status: authentication failed at {address!r}: {e.message}; {TOKEN_HELP}"
+            )
+            return RUNTIME_FAILURE
         except (ConnectionError, RuntimeError, ValueError) as e:
             print(f"phalanx status: no Ray cluster at {address!r} ({e})")
-            return 1
+            return BAD_INPUT
         connected_here = True
+        info = context.address_info
+        session = os.path.basename(str(info.get("session_dir", ""))) or "unknown session"
+        # stderr: --json output on stdout stays one JSON document
+        print(
+            f"phalanx status: cluster at {info.get('gcs_address') or address} ({session})",
+            file=sys.stderr,
+        )
     try:
         groups = collect_status(timeout_s=args.timeout, group=args.group)
     finally:

@@ -1,1 +1,1 @@
-"""Observability used by the algorithms: the metrics logger and the live progress display."""
+"""Observability: the metrics logger, the live progress display, the trace recorder, plots."""

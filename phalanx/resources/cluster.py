@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -17,12 +18,11 @@ from dataclasses import dataclass
 
 import ray
 
+from phalanx._base.checks import check_int, check_number
+from phalanx.resources.ray_start import DEFAULT_EMBEDDED_CPUS, NAMESPACE, init_ray
+
 logger = logging.getLogger(__name__)
 
-NAMESPACE = "phalanx"
-# Logical CPU slots of an embedded Ray. Workers are mostly waiting on each other, so the
-# default lets a 2-core machine host the usual handful of workers; pass num_cpus to change.
-DEFAULT_EMBEDDED_CPUS = 16
 _port_lock = threading.Lock()
 _issued_ports: set[tuple[str, int]] = set()
 
@@ -62,6 +62,9 @@ class Cluster:
         address: a Ray address to join; ``None`` uses ``RAY_ADDRESS`` or starts Ray locally.
         num_cpus / num_gpus: logical resources of an embedded Ray (ignored when joining).
         timeout_s: how long to wait for ``num_nodes`` nodes.
+
+    Ray's own start-up failures on a busy machine are retried for up to
+    ``PHALANX_RAY_START_TIMEOUT_S`` seconds (``RayStartError`` after that).
     """
 
     def __init__(
@@ -73,19 +76,23 @@ class Cluster:
         timeout_s: float = 60.0,
         **ray_init_kwargs,
     ):
-        if num_nodes is not None and (not isinstance(num_nodes, int) or num_nodes < 1):
-            raise ValueError(f"num_nodes must be a positive int, got {num_nodes!r}")
+        if num_nodes is not None:
+            check_int(num_nodes, "num_nodes", minimum=1)
+        check_number(timeout_s, "timeout_s", minimum=0)
         self._started_ray = False
         if not ray.is_initialized():
             address = address or os.environ.get("RAY_ADDRESS")
             kwargs = {"namespace": NAMESPACE, "log_to_driver": True, **ray_init_kwargs}
             if address:
-                ray.init(address=address, **kwargs)
+                init_ray(address=address, **kwargs)
             else:
                 kwargs.setdefault("include_dashboard", False)
+                if kwargs.get("_node_ip_address"):  # Ray turns loopback into the network address;
+                    # phalanx's listeners (here and in workers, which inherit it) keep it.
+                    os.environ.setdefault("PHALANX_COMM_BIND_ADDRESS", kwargs["_node_ip_address"])
                 # "local": a fresh instance even when `ray start` runs on this machine
                 # (a bare ray.init() would join that cluster and refuse num_cpus).
-                ray.init(
+                init_ray(
                     address="local",
                     num_cpus=num_cpus
                     if num_cpus is not None
@@ -207,19 +214,30 @@ def ensure_cluster(cluster: Cluster | None = None) -> Cluster:
     return cluster if cluster is not None else Cluster()
 
 
-def find_free_port(node_ip: str | None = None, node_id: str | None = None) -> int:
-    """A free TCP port on the given node, never handed out twice by this process."""
+def find_free_port(
+    node_ip: str | None = None,
+    node_id: str | None = None,
+    port_range: tuple[int, int] | None = None,
+) -> int:
+    """A free TCP port on the given node, never handed out twice by this process.
+
+    ``port_range=(low, high)`` picks among ports ``low <= port < high`` (NeMo-RL's
+    half-open ranges); ``None`` lets the operating system choose.
+    """
+    if port_range is not None:
+        low, high = check_port_range(*port_range)
+        port_range = (low, high)
     local = node_id is None or node_id == ray.get_runtime_context().get_node_id()
     for _ in range(100):
         if local:
-            port = _local_free_port()
+            port = _local_free_port(port_range)
         else:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             port = ray.get(
                 _remote_free_port.options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
-                ).remote(),
+                ).remote(port_range),
                 timeout=60,
             )
         with _port_lock:
@@ -227,15 +245,35 @@ def find_free_port(node_ip: str | None = None, node_id: str | None = None) -> in
             if key not in _issued_ports:
                 _issued_ports.add(key)
                 return port
-    raise RuntimeError(f"could not find a free port on node {node_ip}")
+    where = "" if port_range is None else f" in [{port_range[0]}, {port_range[1]})"
+    raise RuntimeError(f"could not find a free port{where} on node {node_ip}")
 
 
-def _local_free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def check_port_range(low: object, high: object) -> tuple[int, int]:
+    """``(low, high)`` checked as a half-open TCP port range ``1 <= low < high <= 65536``."""
+    low = check_int(low, "port_range_low", minimum=1, maximum=65535)
+    high = check_int(high, "port_range_high", minimum=2, maximum=65536)
+    if high <= low:
+        raise ValueError(f"port_range_high must be > port_range_low ({low}), got {high}")
+    return low, high
+
+
+def _local_free_port(port_range: tuple[int, int] | None = None) -> int:
+    if port_range is None:
+        candidates = [0]
+    else:
+        candidates = list(range(*port_range))
+        random.shuffle(candidates)
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError(f"no free port in [{port_range[0]}, {port_range[1]}) on this node")
 
 
 @ray.remote(num_cpus=0)
-def _remote_free_port() -> int:
-    return _local_free_port()
+def _remote_free_port(port_range: tuple[int, int] | None) -> int:
+    return _local_free_port(port_range)

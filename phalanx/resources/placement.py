@@ -17,26 +17,11 @@ and the CPU/GPU resources it reserves. Rank order is deterministic:
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
+from phalanx._base.checks import check_int, check_number
 from phalanx.resources.cluster import Cluster
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    """``TypeError`` unless ``value`` is an int, ``ValueError`` if it is below ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-def _check_cpus(num_cpus: object) -> None:
-    if isinstance(num_cpus, bool) or not isinstance(num_cpus, numbers.Real):
-        raise TypeError(f"num_cpus must be a number, got {num_cpus!r}")
-    if num_cpus < 0:
-        raise ValueError(f"num_cpus must be >= 0, got {num_cpus}")
 
 
 @dataclass
@@ -64,6 +49,8 @@ class WorkerSlot:
     # RLinf strategies only: RLinf's isolate_accelerator flag (see WorkerContext.rank_env).
     isolate_accelerator: bool | None = None
     accelerator_type: str | None = None
+    # Ports the group may pick on the slot's node, [low, high) (None: any free port).
+    port_range: tuple[int, int] | None = None
 
 
 class Placement:
@@ -151,11 +138,11 @@ class PackedPlacement(Placement):
         num_cpus: float = 1.0,
         isolate_gpu: bool = True,
     ):
-        _check_int("start_device", start_device, 0)
-        _check_int("end_device", end_device, 0)
-        _check_int("num_devices_per_process", num_devices_per_process, 1)
-        _check_int("stride", stride, 1)
-        _check_cpus(num_cpus)
+        check_int(start_device, "start_device", minimum=0)
+        check_int(end_device, "end_device", minimum=0)
+        check_int(num_devices_per_process, "num_devices_per_process", minimum=1)
+        check_int(stride, "stride", minimum=1)
+        check_number(num_cpus, "num_cpus", minimum=0)
         if end_device < start_device:
             raise ValueError(f"start_device/end_device: invalid range {start_device}..{end_device}")
         count = end_device - start_device + 1
@@ -231,8 +218,8 @@ class NodePlacement(Placement):
         num_cpus: float = 1.0,
     ):
         if num_workers is not None:
-            _check_int("num_workers", num_workers, 1)
-        _check_cpus(num_cpus)
+            check_int(num_workers, "num_workers", minimum=1)
+        check_number(num_cpus, "num_cpus", minimum=0)
         self.num_workers, self.node_ranks, self.num_cpus = num_workers, node_ranks, num_cpus
 
     def slots(self, cluster: Cluster) -> list[WorkerSlot]:
@@ -256,13 +243,3 @@ class NodePlacement(Placement):
 
     def __repr__(self) -> str:
         return f"NodePlacement(num_workers={self.num_workers}, node_ranks={self.node_ranks})"
-
-
-def default_placement(cluster: Cluster) -> Placement:
-    """RLinf's default: one worker per GPU over all GPUs (``PackedPlacementStrategy(0, n-1)``)
-    when the cluster has GPUs, else one CPU worker on node 0 (``NodePlacementStrategy([0])``)."""
-    from phalanx.resources.strategies import NodePlacementStrategy, PackedPlacementStrategy
-
-    if cluster.num_accelerators > 0:
-        return PackedPlacementStrategy(0, cluster.num_accelerators - 1)
-    return NodePlacementStrategy([0])

@@ -45,6 +45,9 @@ __all__ = [
 
 # phalanx has no RLinf node groups; every placement is in this one.
 DEFAULT_NODE_GROUP = "cluster"
+# RLinf's reserved labels: "cluster" (every node) and "node" (every node, one process per
+# node); both name all of phalanx's nodes.
+RESERVED_NODE_GROUPS = ("cluster", "node")
 
 
 class PlacementError(ValueError, AssertionError):
@@ -112,7 +115,8 @@ def _no_node_groups(value: object, arg: str) -> None:
     if value is not None:
         raise PlacementError(
             f"{arg}={value!r}: phalanx has no RLinf node groups; hardware ranks are global "
-            "GPU ranks over Cluster.nodes"
+            "GPU ranks over Cluster.nodes (NodePlacementStrategy also takes RLinf's reserved "
+            "labels 'cluster' and 'node', both meaning all nodes)"
         )
 
 
@@ -308,7 +312,9 @@ class NodePlacementStrategy(PlacementStrategy):
     """One process per entry of ``node_ranks`` (sorted), seeing all GPUs of its node."""
 
     def __init__(self, node_ranks: list[int], node_group_label: str | None = None):
-        _no_node_groups(node_group_label, "node_group_label")
+        if node_group_label not in RESERVED_NODE_GROUPS:
+            _no_node_groups(node_group_label, "node_group_label")
+        self._node_group_label = node_group_label or DEFAULT_NODE_GROUP
         if not isinstance(node_ranks, (list, tuple)) or not node_ranks:
             raise PlacementError("node_ranks must not be empty")
         bad = [r for r in node_ranks if isinstance(r, bool) or not isinstance(r, int)]
@@ -340,9 +346,18 @@ class NodePlacementStrategy(PlacementStrategy):
                     local_world_size=0,
                     visible_accelerators=[str(d) for d in devices],
                     isolate_accelerator=isolate_accelerator,
+                    node_group_label=self._node_group_label,
                 )
             )
         return _fill_node_ranks(placements)
 
     def __repr__(self) -> str:
         return f"NodePlacementStrategy({self._node_ranks})"
+
+
+def default_placement(cluster: Cluster) -> Placement:
+    """RLinf's default: one worker per GPU over all GPUs (``PackedPlacementStrategy(0, n-1)``)
+    when the cluster has GPUs, else one CPU worker on node 0 (``NodePlacementStrategy([0])``)."""
+    if cluster.num_accelerators > 0:
+        return PackedPlacementStrategy(0, cluster.num_accelerators - 1)
+    return NodePlacementStrategy([0])

@@ -19,7 +19,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-from phalanx.resources.cluster import Cluster, find_free_port
+from phalanx.resources.cluster import Cluster, check_port_range, find_free_port
 from phalanx.resources.placement import WorkerSlot
 
 logger = logging.getLogger(__name__)
@@ -36,6 +36,8 @@ class RayVirtualCluster:
         num_gpus_per_node: int = 8,
         name: str = "",
         placement_group_strategy: str | None = None,
+        port_range_low: int | None = None,
+        port_range_high: int | None = None,
         use_unified_pg: bool = False,
         num_cpus_per_bundle: float = 1.0,
         ready_timeout_s: float = 30.0,
@@ -61,6 +63,16 @@ class RayVirtualCluster:
             raise ValueError(
                 f"placement_group_strategy must be one of {sorted(strategies)}, got {placement_group_strategy!r}"
             )
+        if (port_range_low is None) != (port_range_high is None):
+            raise ValueError(
+                "port_range_low and port_range_high go together: pass both or neither, got "
+                f"{port_range_low!r} and {port_range_high!r}"
+            )
+        self._port_range = (
+            None if port_range_low is None else check_port_range(port_range_low, port_range_high)
+        )
+        self.port_range_low = port_range_low
+        self.port_range_high = port_range_high
         self.cluster = cluster if cluster is not None else Cluster()
         self._bundle_ct_per_node_list = list(bundle_ct_per_node_list)
         self.use_gpus = use_gpus
@@ -167,10 +179,11 @@ class RayVirtualCluster:
     def get_available_address_and_port(
         self, pg_idx: int = 0, bundle_idx: int = 0
     ) -> tuple[str, int]:
-        """IP of the node holding the bundle and a free port on it."""
+        """IP of the node holding the bundle and a free port on it (within
+        ``[port_range_low, port_range_high)`` when those are set)."""
         node_id = self.bundle_node_id(pg_idx, bundle_idx)
         ip = self.cluster.node(self.cluster.node_rank_of(node_id)).ip
-        return ip, find_free_port(ip, node_id)
+        return ip, find_free_port(ip, node_id, self._port_range)
 
     def get_master_address_and_port(self) -> tuple[str, int]:
         return self.get_available_address_and_port(0, 0)
@@ -213,6 +226,7 @@ class RayVirtualCluster:
                         bundle_index=b,
                         bundle_indices=(pg_idx, list(local)) if j == 0 else None,
                         isolate_gpu=False,
+                        port_range=self._port_range,
                     )
                 )
         return slots

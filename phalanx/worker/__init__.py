@@ -3,7 +3,13 @@ builder that starts it with its rank environment."""
 
 from __future__ import annotations
 
-from phalanx.worker.builder import RayWorkerBuilder
-from phalanx.worker.worker import Worker, WorkerInfo
+from phalanx._base.lazy import lazy_exports
 
-__all__ = ["RayWorkerBuilder", "Worker", "WorkerInfo"]
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "RayWorkerBuilder": ".builder",
+        "Worker": ".worker",
+        "WorkerInfo": ".worker",
+    },
+)

@@ -63,8 +63,8 @@ from ray.util.scheduling_strategies import (
     PlacementGroupSchedulingStrategy,
 )
 
+from phalanx.worker.context import RANK_ENV_KEYS, WorkerContext
 from phalanx.worker.host import CONTROL_GROUP, WEIGHTS_GROUP, host_class_for, load_class
-from phalanx.worker.worker import RANK_ENV_KEYS, WorkerContext
 
 ENV_ALLOWLIST = frozenset(
     {

@@ -23,12 +23,12 @@ from typing import Any
 
 import ray
 
-from phalanx._base import trace as _trace
 from phalanx._base.errors import WorkerError
 from phalanx._base.timing import TimerRecorder
 from phalanx.comm import shm
+from phalanx.observe import trace as _trace
 from phalanx.worker.call_lock import holds_call_lock
-from phalanx.worker.worker import BASE_ATTRIBUTES, Worker, WorkerContext
+from phalanx.worker.context import ContextBound, WorkerContext
 
 CONTROL_GROUP = "_px_control"
 WEIGHTS_GROUP = "_px_weights"  # side calls (weight transfers) run here, beside user calls
@@ -61,8 +61,9 @@ def load_class(cls_or_fqn: Any) -> type:
 def method_kinds(cls: type) -> dict[str, str]:
     """Public methods of a worker class: name -> sync | async | gen | asyncgen."""
     kinds = {}
+    base = cls.px_base_attributes if issubclass(cls, ContextBound) else frozenset()
     for name in dir(cls):
-        if name.startswith("_") or name in BASE_ATTRIBUTES:
+        if name.startswith("_") or name in base:
             continue
         attr = inspect.getattr_static(cls, name)
         if isinstance(attr, (staticmethod, classmethod)):
@@ -99,7 +100,7 @@ class WorkerHost:
         self._cls = cls
         self._kinds = method_kinds(cls)
         obj = cls.__new__(cls)
-        if isinstance(obj, Worker):
+        if isinstance(obj, ContextBound):
             obj._px_bind(ctx, self._timers)
         _trace.init_worker(ctx.group_name, ctx.rank, self._timers)
         try:
@@ -214,7 +215,7 @@ class WorkerHost:
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     def _px_trace(self, op: str, *args: Any) -> Any:
-        """Tracing control from the driver: enable, disable, collect, clock (phalanx._base.trace)."""
+        """Tracing control from the driver: enable, disable, collect, clock (phalanx.observe.trace)."""
         return _trace.worker_op(op, *args)
 
     @ray.method(concurrency_group=CONTROL_GROUP)

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import ray
 
 import phalanx as px
 from phalanx.cli import status
+from tests.helpers import until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -124,3 +130,137 @@ def test_status_cli_without_a_cluster_fails_fast():
     )
     assert out.returncode == 1
     assert "no Ray cluster at '127.0.0.1:1'" in out.stdout
+
+
+def test_status_table_wraps_long_names_instead_of_cutting_them():
+    from rich.console import Console
+
+    long_class = "tests.workers.EnvRunnerWithAVeryLongClassNameIndeed"
+    groups = [
+        status.GroupStatus(
+            name="g",
+            world_size=1,
+            workers=[
+                status.WorkerStatus(
+                    rank=0, health="healthy", node_ip="10.0.0.1", pid=7, worker_class=long_class
+                )
+            ],
+        )
+    ]
+    console = Console(record=True, width=60)
+    status.render(groups, console=console)
+    text = console.export_text()
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= 60
+    folded = "".join(line.split("│")[-2].strip() for line in text.splitlines() if "│" in line)
+    assert "EnvRunnerWithAVeryLongClassNameIndeed" in folded
+
+
+@pytest.mark.timeout(90)
+def test_status_says_which_cluster_it_shows(cluster):
+    address = ray.get_runtime_context().gcs_address
+    out = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "status", "--address", address, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=80,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
+    assert out.returncode == 0, out.stderr
+    session = ray.get_runtime_context().get_session_name()
+    line = [x for x in out.stderr.splitlines() if x.startswith("phalanx status: cluster at ")]
+    assert line == [f"phalanx status: cluster at {address} ({session})"], out.stderr
+    assert isinstance(json.loads(out.stdout), list)
+
+
+# A token-authenticated head, started with phalanx's retrying start-up (a busy machine),
+# that lives until its stdin closes.
+_TOKEN_HEAD = """
+import sys
+from phalanx.resources.ray_start import init_ray
+context = init_ray(address="local", num_cpus=0, include_dashboard=False,
+                   _node_ip_address="127.0.0.1", _temp_dir=sys.argv[1])
+print("GCS", context.address_info["gcs_address"], flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_status_names_an_authentication_failure_in_one_line_fast():
+    """On a Ray head of this test's own, in its own process group and stopped by killing
+    that group (``ray stop`` would stop every Ray on the machine)."""
+    tmp = tempfile.mkdtemp(prefix="pxauth", dir="/tmp")  # short: Ray's socket paths are capped
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH_", "RAY_ADDRESS"))}
+    env.update(PYTHONPATH=ROOT, HOME=tmp)  # HOME: no ~/.ray/auth_token of the machine's
+    token = secrets.token_hex(32)
+    log = Path(tmp) / "head.log"
+    with open(log, "w") as out:
+        head = subprocess.Popen(
+            [sys.executable, "-c", _TOKEN_HEAD, f"{tmp}/ray"],
+            env=dict(env, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token),
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    address = ""
+
+    def status_cli(**extra: str) -> tuple[subprocess.CompletedProcess, float]:
+        start = time.monotonic()
+        out = subprocess.run(
+            [sys.executable, "-m", "phalanx.cli", "status", "--address", address],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(env, **extra),
+        )
+        return out, time.monotonic() - start
+
+    try:
+        assert until(lambda: "GCS " in log.read_text(), timeout=240), log.read_text()[-3000:]
+        address = log.read_text().split("GCS ", 1)[1].split()[0]
+        failed = f"phalanx status: authentication failed at {address!r}: "
+        out, took = status_cli(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="not-the-token")
+        assert out.returncode == status.RUNTIME_FAILURE == 4, out.stderr[-2000:]
+        assert out.stdout.splitlines() == [
+            failed + f"the cluster rejected the token from RAY_AUTH_TOKEN; {status.TOKEN_HELP}"
+        ]
+        assert "InvalidAuthToken" not in out.stderr and took < 20, (took, out.stderr[-2000:])
+
+        out, took = status_cli()  # token auth off in this client, no token anywhere
+        assert out.returncode == 4, out.stderr[-2000:]
+        assert out.stdout.splitlines() == [
+            failed + f"the cluster requires a token and this client sent none; {status.TOKEN_HELP}"
+        ]
+        assert "InvalidAuthToken" not in out.stderr and took < 20, (took, out.stderr[-2000:])
+
+        out, _ = status_cli(RAY_AUTH_MODE="token")  # token mode, but no token to send
+        assert out.returncode == 4, out.stderr[-2000:]
+        assert out.stdout.splitlines() == [
+            failed + f"RAY_AUTH_MODE is 'token' but this client has no token; {status.TOKEN_HELP}"
+        ]
+
+        out, _ = status_cli(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.splitlines() == ["no live phalanx groups on this Ray cluster"]
+    finally:
+        os.killpg(head.pid, signal.SIGKILL)
+        head.wait(timeout=30)
+
+        def group_gone() -> bool:
+            try:
+                os.killpg(head.pid, 0)
+            except ProcessLookupError:
+                return True
+            return False
+
+        assert until(group_gone, timeout=30)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_status_cli_rejects_a_timeout_that_is_not_positive(capsys):
+    args = argparse.Namespace(address="127.0.0.1:1", group=None, timeout=0.0, json=False)
+    assert status.run(args) == status.BAD_INPUT == 1
+    assert capsys.readouterr().err == "phalanx status: --timeout must be > 0, got 0\n"
+    with pytest.raises(TypeError, match="timeout_s must be a number, got bool"):
+        status.collect_status(timeout_s=True)

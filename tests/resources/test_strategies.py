@@ -10,7 +10,7 @@ import ray
 from ray.cluster_utils import Cluster as RayTestCluster
 
 import phalanx as px
-from phalanx.resources.placement import default_placement
+from phalanx.resources.strategies import default_placement
 
 
 class PlacedWorker(px.Worker):
@@ -180,7 +180,7 @@ def test_rank_to_device_mapping(gpu_nodes):
         (lambda: px.FlexiblePlacementStrategy([[0], []]), r"hardware_ranks_list\[1\]"),
         (lambda: px.FlexiblePlacementStrategy([[-1]]), "non-negative"),
         (lambda: px.NodePlacementStrategy([]), "must not be empty"),
-        (lambda: px.NodePlacementStrategy([0], node_group_label="node"), "node_group_label"),
+        (lambda: px.NodePlacementStrategy([0], node_group_label="a800"), "node_group_label"),
     ],
 )
 def test_strategy_bad_input(make, match):
