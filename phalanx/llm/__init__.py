@@ -1,2 +1,2 @@
 """LLM post-training roles (layer 7): the DTensor policy worker, the driver-side Policy,
-generation workers, refit between them, loss functions and a tiny offline task."""
+generation workers, refit between them and loss functions."""

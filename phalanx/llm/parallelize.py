@@ -17,7 +17,7 @@ sequences, which keeps HF's masks and rotary positions unchanged).
 
 from __future__ import annotations
 
-import importlib
+import warnings
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from phalanx.llm.policy_config import ConfigError
+from phalanx.llm.policy_config import ConfigError, import_object, positive_int
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -59,6 +59,34 @@ def check_tp_size(config: Any, tp: int) -> None:
             raise ConfigError(
                 f"dtensor_cfg.tensor_parallel_size={tp} does not divide the model's {name}={value}"
             )
+
+
+def check_parallel_config(config: dict[str, Any]) -> tuple[int, int]:
+    """Check ``dtensor_cfg``'s parallel sizes against the model; returns (tp, cp).
+
+    Runs on the driver (``Policy``) before any worker starts, and again in each worker.
+    """
+    dcfg = config.get("dtensor_cfg") or {}
+    tp = positive_int(dcfg.get("tensor_parallel_size", 1), "dtensor_cfg.tensor_parallel_size")
+    cp = positive_int(dcfg.get("context_parallel_size", 1), "dtensor_cfg.context_parallel_size")
+    if dcfg.get("sequence_parallel") and tp == 1:
+        # NeMo-RL warns and goes on; sequence parallelism only exists over tp ranks.
+        warnings.warn(
+            "dtensor_cfg.sequence_parallel=True has no effect with tensor_parallel_size=1 "
+            "(it shards the norms over the tensor-parallel ranks)",
+            stacklevel=2,
+        )
+    if cp > 1 and not torch.cuda.is_available():
+        raise NotImplementedError(
+            f"dtensor_cfg.context_parallel_size={cp}: context parallelism needs CUDA (torch's "
+            "context_parallel runs ring attention on the flash/efficient SDPA kernels, which "
+            "exist only on GPU); use context_parallel_size=1 on CPU"
+        )
+    if tp > 1:
+        from transformers import AutoConfig
+
+        check_tp_size(AutoConfig.from_pretrained(config["model_name"]), tp)
+    return tp, cp
 
 
 class _Replicated(ParallelStyle):
@@ -163,13 +191,7 @@ def load_parallel_plan(plan: dict[str, Any] | str) -> dict[str, ParallelStyle]:
     (NeMo-RL's ``dtensor_cfg.custom_parallel_plan``)."""
     obj: Any = plan
     if isinstance(plan, str):
-        module, _, name = plan.rpartition(".")
-        try:
-            obj = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ValueError(
-                f"dtensor_cfg.custom_parallel_plan: cannot import {plan!r} ({e})"
-            ) from None
+        obj = import_object(plan, "dtensor_cfg.custom_parallel_plan")
         if callable(obj) and not isinstance(obj, dict):
             obj = obj()
     if not isinstance(obj, dict) or not all(

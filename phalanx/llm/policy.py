@@ -13,23 +13,27 @@ the caller's order.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import numpy as np
 import torch
 
+from phalanx._base.checks import check_int
 from phalanx.data import BatchedDataDict
 from phalanx.group.group import RayWorkerGroup
 from phalanx.group.sharding import NamedSharding
+from phalanx.llm.flops import FLOPTracker
+from phalanx.llm.lora import check_lora_config
 from phalanx.llm.loss import LossFunction
-from phalanx.llm.parallelize import load_parallel_plan
+from phalanx.llm.parallelize import check_parallel_config, load_parallel_plan
 from phalanx.llm.policy_config import (
     ConfigError,
     check_policy_config,
     dynamic_batching_enabled,
     sequence_packing_enabled,
 )
-from phalanx.llm.policy_worker import check_parallel_config
 from phalanx.resources.cluster import Cluster
 from phalanx.resources.placement import NodePlacement
 from phalanx.resources.virtual_cluster import RayVirtualCluster
@@ -79,8 +83,6 @@ class Policy:
         num_cpus_per_worker: float = 1.0,
         timeout_s: float = 300.0,
     ) -> None:
-        if not isinstance(config, dict):
-            raise TypeError(f"config must be a dict, got {type(config).__name__}")
         check_policy_config(config)
         path = config.get("model_name")
         if not path or not os.path.exists(os.path.join(str(path), "config.json")):
@@ -99,9 +101,7 @@ class Policy:
                     f"{world} bundles (a RayVirtualCluster starts one worker per bundle)"
                 )
         elif isinstance(cluster, Cluster):
-            world = 1 if num_workers is None else num_workers
-            if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-                raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
+            world = 1 if num_workers is None else check_int(num_workers, "num_workers", 1)
         else:
             raise TypeError(
                 f"cluster must be a RayVirtualCluster or a px.Cluster, got {type(cluster).__name__}"
@@ -110,6 +110,7 @@ class Policy:
         plan = (config.get("dtensor_cfg") or {}).get("custom_parallel_plan")
         if plan is not None:
             load_parallel_plan(plan)  # a bad plan fails here, before any worker starts
+        check_lora_config(config)  # so does a LoRA pattern that matches no layer
         self.sharding_annotations = _sharding(world, tp, cp)
         dp = self.sharding_annotations.get_axis_size(DP_AXIS)
         gbs = config.get("train_global_batch_size")
@@ -156,7 +157,11 @@ class Policy:
             )
         self.dp_size = dp
         self.max_seq_len = int(config.get("max_total_sequence_length") or 1 << 30)
-        self._sequence_pad_multiple = cp * 2 * tp if cp > 1 else tp
+        # NeMo-RL pads packed sequences to make_sequence_length_divisible_by.
+        self._sequence_pad_multiple = int(
+            config.get("make_sequence_length_divisible_by") or (cp * 2 * tp if cp > 1 else tp)
+        )
+        self.flops_tracker = _flops_tracker(str(path))
 
     # ------------------------------------------------------------------ helpers
     def _check(self, data: BatchedDataDict, what: str) -> None:
@@ -177,52 +182,29 @@ class Policy:
         self, data: BatchedDataDict, batch_size: int | None, tokens_key: str
     ) -> tuple[list[BatchedDataDict], list[int] | None]:
         """Shards for the data-parallel ranks and, when reordered, the permutation to undo."""
+        common = {"batch_size": batch_size, "allow_uneven_shards": batch_size is None}
+        if not (self.use_dynamic_batches or self.use_sequence_packing):
+            return data.shard_by_batch_size(self.dp_size, **common), None
+        option = "dynamic_batching" if self.use_dynamic_batches else "sequence_packing"
+        section = self.cfg[option]
+        if tokens_key not in section:
+            raise ConfigError(f"{option}.{tokens_key} is required for this call")
+        args = {
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+            "max_tokens_per_microbatch": int(section[tokens_key]),
+        }
         if self.use_dynamic_batches:
-            dyn = self.cfg["dynamic_batching"]
-            args = {
-                "input_key": "input_ids",
-                "input_lengths_key": "input_lengths",
-                "sequence_length_round": dyn["sequence_length_round"],
-                "max_tokens_per_microbatch": self._mb_tokens(dyn, tokens_key, "dynamic_batching"),
-            }
-            shards, perm = data.shard_by_batch_size(
-                self.dp_size,
-                batch_size=batch_size,
-                allow_uneven_shards=batch_size is None,
-                dynamic_batching_args=args,
-            )
-            return shards, perm
-        if self.use_sequence_packing:
-            pk = self.cfg["sequence_packing"]
-            args = {
-                "input_key": "input_ids",
-                "input_lengths_key": "input_lengths",
-                "algorithm": pk.get("algorithm", "modified_first_fit_decreasing"),
-                "sequence_length_pad_multiple": self._sequence_pad_multiple,
-                "max_tokens_per_microbatch": self._mb_tokens(pk, tokens_key, "sequence_packing"),
-                "microbatch_order": pk.get("microbatch_order", "packer"),
-            }
-            shards, perm = data.shard_by_batch_size(
-                self.dp_size,
-                batch_size=batch_size,
-                allow_uneven_shards=batch_size is None,
-                sequence_packing_args=args,
-            )
-            return shards, perm
-        shards = data.shard_by_batch_size(
-            self.dp_size, batch_size=batch_size, allow_uneven_shards=batch_size is None
-        )
-        return shards, None
+            args["sequence_length_round"] = section["sequence_length_round"]
+            return data.shard_by_batch_size(self.dp_size, dynamic_batching_args=args, **common)
+        args["algorithm"] = section.get("algorithm", "modified_first_fit_decreasing")
+        args["sequence_length_pad_multiple"] = self._sequence_pad_multiple
+        args["microbatch_order"] = section.get("microbatch_order", "packer")
+        return data.shard_by_batch_size(self.dp_size, sequence_packing_args=args, **common)
 
-    @staticmethod
-    def _mb_tokens(section: dict[str, Any], key: str, option: str) -> int:
-        if key not in section:
-            raise ConfigError(f"{option}.{key} is required for this call")
-        return int(section[key])
-
-    def _sharded(self, method: str, shards: list[BatchedDataDict], **common: Any) -> list[Any]:
+    def _submit(self, method: str, shards: list[BatchedDataDict], **common: Any) -> Any:
         # The pp, cp and tp ranks of one data-parallel rank take the same shard; one returns.
-        fut = self.worker_group.run_all_workers_sharded_data(
+        return self.worker_group.run_all_workers_sharded_data(
             method,
             data=shards,
             in_sharded_axes=[DP_AXIS],
@@ -230,7 +212,6 @@ class Policy:
             output_is_replicated=_REPLICATED,
             common_kwargs=common,
         )
-        return fut.get_results(self.worker_group, timeout=self.timeout_s)
 
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return self.worker_group.call(method, *args, **kwargs).wait(timeout=self.timeout_s)
@@ -243,11 +224,17 @@ class Policy:
         eval_mode: bool = False,
         gbs: int | None = None,
         mbs: int | None = None,
+        timer: Any = None,
     ) -> dict[str, Any]:
         """Train on ``data`` (a whole number of global batches); returns loss and metrics.
 
         ``token_mask`` is needed only by token-level losses; without it every token counts.
+        ``timer`` (NeMo-RL's ``Timer``, or any object whose ``time(label)`` is a context
+        manager) records "policy_training/sharding_data" and
+        "policy_training/submit_training_futures". With a ``flops_tracker`` the result
+        has ``total_flops`` (model FLOPs of this call) and ``num_ranks``.
         """
+        _check_timer(timer)
         self._check(data, "train")
         gbs = int(gbs or self.cfg["train_global_batch_size"])
         mbs = int(mbs or self.cfg["train_micro_batch_size"])
@@ -260,27 +247,42 @@ class Policy:
             )
         if data.size % gbs:
             raise ValueError(f"train: batch of {data.size} rows is not a multiple of gbs {gbs}")
-        shards, _ = self._shard(data, gbs, "train_mb_tokens")
-        results = self._sharded(
-            "train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
-        )
+        with _timed(timer, "policy_training/sharding_data"):
+            shards, _ = self._shard(data, gbs, "train_mb_tokens")
+        if self.flops_tracker is not None:
+            self.flops_tracker.reset()
+            for shard in shards:
+                self.flops_tracker.track_batch(_sequence_lengths(shard))
+        with _timed(timer, "policy_training/submit_training_futures"):
+            fut = self._submit(
+                "train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs
+            )
+        results = fut.get_results(self.worker_group, timeout=self.timeout_s)
         mb_metrics: dict[str, list[Any]] = {}
         for r in results:
             for k, v in r["all_mb_metrics"].items():
                 mb_metrics.setdefault(k, []).extend(v)
-        return {
+        out = {
             "loss": results[0]["global_loss"],
             "grad_norm": results[0]["grad_norm"],
             "lr": results[0]["lr"],
             "all_mb_metrics": mb_metrics,
         }
+        if self.flops_tracker is not None:
+            out["total_flops"] = self.flops_tracker.total_flops
+            out["num_ranks"] = self.worker_group.world_size
+        return out
 
     def _logprobs(
-        self, method: str, key: str, data: BatchedDataDict, mbs: int | None
+        self, method: str, key: str, data: BatchedDataDict, mbs: int | None, timer: Any, label: str
     ) -> BatchedDataDict:
+        _check_timer(timer)
         self._check(data, method)
-        shards, perm = self._shard(data, None, "logprob_mb_tokens")
-        results = self._sharded(method, shards, micro_batch_size=mbs)
+        with _timed(timer, f"{method}/shard_data"):
+            shards, perm = self._shard(data, None, "logprob_mb_tokens")
+        with _timed(timer, f"{method}/{label}"):
+            fut = self._submit(method, shards, micro_batch_size=mbs)
+        results = fut.get_results(self.worker_group, timeout=self.timeout_s)
         out = BatchedDataDict.from_batches([{key: r[key]} for r in results])
         if perm is not None:
             out.reorder_data(perm)
@@ -289,26 +291,46 @@ class Policy:
         return out
 
     def get_logprobs(
-        self, data: BatchedDataDict, micro_batch_size: int | None = None
+        self, data: BatchedDataDict, micro_batch_size: int | None = None, timer: Any = None
     ) -> BatchedDataDict:
         """``logprobs`` [B, T] of ``data['input_ids']`` (position 0 and padding are 0),
-        in the order of ``data``."""
-        return self._logprobs("get_logprobs", "logprobs", data, micro_batch_size)
+        in the order of ``data``. ``timer`` records "get_logprobs/shard_data" and
+        "get_logprobs/submit_logprob_futures" (NeMo-RL's labels)."""
+        return self._logprobs(
+            "get_logprobs", "logprobs", data, micro_batch_size, timer, "submit_logprob_futures"
+        )
 
     def get_reference_policy_logprobs(
-        self, data: BatchedDataDict, micro_batch_size: int | None = None
+        self, data: BatchedDataDict, micro_batch_size: int | None = None, timer: Any = None
     ) -> BatchedDataDict:
-        """``reference_logprobs`` [B, T] under the initial (reference) weights."""
+        """``reference_logprobs`` [B, T] under the initial (reference) weights. ``timer``
+        records "get_reference_policy_logprobs/shard_data" and
+        "get_reference_policy_logprobs/submit_reference_policy_logprob_futures"."""
         return self._logprobs(
-            "get_reference_policy_logprobs", "reference_logprobs", data, micro_batch_size
+            "get_reference_policy_logprobs",
+            "reference_logprobs",
+            data,
+            micro_batch_size,
+            timer,
+            "submit_reference_policy_logprob_futures",
         )
 
     # ------------------------------------------------------------------ phases and weights
     def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
         self._all("prepare_for_training")
 
-    def prepare_for_lp_inference(self, *args: Any, **kwargs: Any) -> None:
-        self._all("prepare_for_lp_inference")
+    def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None:
+        """Every worker in eval mode; optimizer state moves to CPU (per
+        ``offload_optimizer_for_logprob``) unless ``keep_train_buffers``."""
+        self._all("prepare_for_lp_inference", keep_train_buffers=keep_train_buffers)
+
+    def finish_inference(self) -> None:
+        """Move the model to host memory after an inference phase (NeMo-RL's, for PPO)."""
+        self._all("finish_inference")
+
+    def prepare_refit_info(self) -> dict[str, Any]:
+        """``{name: (shape, dtype)}`` of the weights a refit sends."""
+        return self._all("prepare_refit_info")[0]
 
     def finish_training(self, *args: Any, **kwargs: Any) -> None:
         """End of a training phase. Nothing to release: each ``train`` call already frees
@@ -331,8 +353,25 @@ class Policy:
         weights_path: str,
         optimizer_path: str | None = None,
         tokenizer_path: str | None = None,
+        checkpointing_cfg: dict[str, Any] | None = None,
     ) -> None:
-        self._all("save_checkpoint", weights_path, optimizer_path, tokenizer_path)
+        """Sharded checkpoint of model (and optimizer). As NeMo-RL, ``checkpointing_cfg``
+        reaches the workers with ``dtensor_cfg._v2`` only; without it a
+        ``model_save_format`` is an error."""
+        if not (self.cfg.get("dtensor_cfg") or {}).get("_v2"):
+            if (checkpointing_cfg or {}).get("model_save_format") is not None:
+                raise ConfigError(
+                    "model_save_format must be None or omitted if using DTensorPolicyWorker "
+                    "(_v2=False)"
+                )
+            checkpointing_cfg = None
+        self._all(
+            "save_checkpoint",
+            weights_path,
+            optimizer_path,
+            tokenizer_path,
+            checkpointing_cfg=checkpointing_cfg,
+        )
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         self._all("load_checkpoint", weights_path, optimizer_path)
@@ -345,3 +384,33 @@ class Policy:
 
     def shutdown(self) -> bool:
         return self.worker_group.shutdown(cleanup_method="shutdown", timeout=60)
+
+
+def _flops_tracker(model_path: str) -> FLOPTracker | None:
+    """NeMo-RL's FLOPs tracker for the model, or None where its architecture is not counted."""
+    from transformers import AutoConfig
+
+    try:
+        return FLOPTracker.from_config(model_path, AutoConfig.from_pretrained(model_path))
+    except ValueError:
+        return None
+
+
+def _sequence_lengths(shard: BatchedDataDict) -> list[int]:
+    if "input_lengths" in shard:
+        return [int(n) for n in shard["input_lengths"].tolist()]
+    return [int(shard["input_ids"].shape[1])] * shard.size
+
+
+def _check_timer(timer: Any) -> None:
+    if timer is not None and not callable(getattr(timer, "time", None)):
+        raise TypeError(
+            f"timer must have a time(label) context manager (NeMo-RL's Timer), got "
+            f"{type(timer).__name__}"
+        )
+
+
+@contextmanager
+def _timed(timer: Any, label: str) -> Iterator[None]:
+    with timer.time(label) if timer is not None else nullcontext():
+        yield

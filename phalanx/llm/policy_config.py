@@ -5,21 +5,55 @@ Every key of NeMo-RL's ``PolicyConfig`` is decided here; a key that is neither N
 phalanx's raises ``ConfigError`` naming it, so that nothing is silently ignored.
 ``ConfigError`` is both a ``ValueError`` and an ``AssertionError``: NeMo-RL raises
 ``AssertionError`` for most config mistakes, phalanx's own checks raise ``ValueError``;
-code catching either keeps working.
+code catching either keeps working. ``check_policy_config`` runs in ``Policy(...)`` before
+any worker starts and again in each worker.
+
+Keys phalanx reads::
+
+    model_name                    path of a save_pretrained model (required)
+    train_global_batch_size       rows per optimizer step, over all ranks
+    train_micro_batch_size        rows per forward/backward on one rank
+    logprob_batch_size            rows per forward in get_logprobs
+    logprob_chunk_size            positions per chunk when computing log-probs
+    max_total_sequence_length     longest input accepted
+    precision                     "float32" | "bfloat16" | "float16" (FSDP2 mixed precision)
+    max_grad_norm                 gradient clipping (None: no clipping)
+    optimizer, scheduler          see ``optimizer.py``
+    dtensor_cfg                   parallel sizes, sequence_parallel, activation_checkpointing,
+                                  cpu_offload, custom_parallel_plan, defer_fsdp_grad_sync,
+                                  clear_cache_every_n_steps, env_vars, _v2, automodel_kwargs,
+                                  lora_cfg (checked by ``lora.check_lora_config``)
+    dynamic_batching              {"enabled", "train_mb_tokens", "logprob_mb_tokens",
+                                   "sequence_length_round"}
+    sequence_packing              {"enabled", "train_mb_tokens", "logprob_mb_tokens",
+                                   "algorithm", "microbatch_order", "sequence_length_round"}
+    make_sequence_length_divisible_by  sequence packing's pad multiple (as NeMo-RL)
+    generation                    its "temperature" divides the logits (as in NeMo-RL)
+    hf_config_overrides           passed to the model config
+    offload_optimizer_for_logprob prepare_for_lp_inference moves optimizer state to CPU
+    refit_buffer_size_gb / _mb    refit bucket size
+    seed                          torch seed (same on every rank)
+    profile_dir                   where stop_gpu_profiling writes its trace
 """
 
 from __future__ import annotations
 
+import importlib
 import warnings
 from typing import Any
 
+import torch
+
+from phalanx._base.checks import check_int, check_number
 from phalanx.data.batched_data_dict import MICROBATCH_ORDERS
-from phalanx.data.packing import PACKING_ALGORITHMS
+from phalanx.data.bin_packing import PACKING_ALGORITHMS
 
 
 class ConfigError(ValueError, AssertionError):
     """A policy config value phalanx cannot use; the message names the key."""
 
+
+PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Top-level keys. "used": read by the policy worker or Policy. "caller": part of NeMo-RL's
 # PolicyConfig but read by the code around the policy (tokenizer loading, generation,
@@ -35,9 +69,11 @@ _USED = {
     "dtensor_cfg",
     "megatron_cfg",
     "reward_model_cfg",
+    "draft",
     "hf_config_overrides",
     "dynamic_batching",
     "sequence_packing",
+    "make_sequence_length_divisible_by",
     "max_total_sequence_length",
     "max_grad_norm",
     "refit_buffer_size_gb",
@@ -49,7 +85,7 @@ _USED = {
     "profile_dir",
     "refit_buffer_size_mb",
 }
-_CALLER = {"tokenizer", "generation_batch_size", "make_sequence_length_divisible_by"}
+_CALLER = {"tokenizer", "generation_batch_size"}
 # Read by nothing in NeMo-RL either (its own test configs still carry it).
 _LEGACY = {"learning_rate": "set optimizer.kwargs.lr instead"}
 
@@ -60,6 +96,7 @@ _DTENSOR_KEYS = {
     "tensor_parallel_size",
     "context_parallel_size",
     "expert_parallel_size",
+    "dp_replicate_size",
     "sequence_parallel",
     "activation_checkpointing",
     "cpu_offload",
@@ -72,13 +109,23 @@ _DTENSOR_KEYS = {
     "clear_cache_every_n_steps",
 }
 _DYNAMIC_KEYS = {"enabled", "train_mb_tokens", "logprob_mb_tokens", "sequence_length_round"}
-_PACKING_KEYS = {"enabled", "train_mb_tokens", "logprob_mb_tokens", "algorithm", "microbatch_order"}
+_PACKING_KEYS = _DYNAMIC_KEYS | {"algorithm", "microbatch_order"}
 
 
-def _positive_int(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{key} must be a positive int, got {value!r}")
-    return value
+def positive_int(value: Any, key: str) -> int:
+    """``value`` as an int >= 1, else a ``ConfigError`` naming ``key``."""
+    try:
+        return check_int(value, key, minimum=1)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} must be a positive int, got {value!r}") from None
+
+
+def _dict(section: Any, key: str) -> dict[str, Any]:
+    if section is None:
+        return {}
+    if not isinstance(section, dict):
+        raise ConfigError(f"{key} must be a dict, got {type(section).__name__}")
+    return section
 
 
 def _unknown(section: dict[str, Any], allowed: set[str], where: str) -> None:
@@ -91,15 +138,13 @@ def _unknown(section: dict[str, Any], allowed: set[str], where: str) -> None:
 
 
 def _enabled(section: Any, key: str) -> bool:
-    if section is None:
-        return False
-    if not isinstance(section, dict):
-        raise ConfigError(f"{key} must be a dict, got {type(section).__name__}")
-    return bool(section.get("enabled", False))
+    return bool(_dict(section, key).get("enabled", False))
 
 
 def check_policy_config(config: dict[str, Any]) -> None:
     """Raise ``ConfigError`` naming the first key phalanx cannot honour."""
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a dict, got {type(config).__name__}")
     unknown = sorted(set(config) - _USED - _CALLER - set(_LEGACY))
     if unknown:
         raise ConfigError(
@@ -111,35 +156,95 @@ def check_policy_config(config: dict[str, Any]) -> None:
             warnings.warn(
                 f"policy config {key!r} is not read (NeMo-RL ignores it too); {hint}", stacklevel=2
             )
+    precision = config.get("precision", "float32")
+    if precision not in PRECISIONS:
+        raise ConfigError(f"config['precision'] {precision!r} is not one of {sorted(PRECISIONS)}")
+    for key in (
+        "train_global_batch_size",
+        "train_micro_batch_size",
+        "logprob_batch_size",
+        "logprob_chunk_size",
+        "max_total_sequence_length",
+        "make_sequence_length_divisible_by",
+    ):
+        if config.get(key) is not None:
+            positive_int(config[key], key)
+    if config.get("seed") is not None:
+        _int(config["seed"], "seed", 0)
+    for key in ("max_grad_norm", "refit_buffer_size_gb", "refit_buffer_size_mb"):
+        if config.get(key) is not None:
+            _number(config[key], key)
+    _check_dtensor(config)
+    for key, why in (
+        ("megatron_cfg", "phalanx has no Megatron backend"),
+        ("reward_model_cfg", "reward models are not supported"),
+        ("draft", "draft-model training needs NeMo-RL's Megatron backend (as in NeMo-RL)"),
+    ):
+        if _enabled(config.get(key), key):
+            raise ConfigError(f"{key}.enabled=True: {why}")
+    overrides = config.get("hf_config_overrides")
+    if overrides is not None and not isinstance(overrides, dict):
+        raise ConfigError(f"hf_config_overrides must be a dict, got {overrides!r}")
+    _check_generation(_dict(config.get("generation"), "generation"))
+    _check_batching(config)
+    scheduler = config.get("scheduler")
+    if scheduler is not None and not isinstance(scheduler, (dict, list)):
+        raise ConfigError("scheduler must be a dict {name, kwargs} or a list of them")
+    optimizer = _dict(config.get("optimizer"), "optimizer")
+    if optimizer and not isinstance(optimizer.get("name"), str):
+        raise ConfigError(f"optimizer.name must be a dotted class path, got {optimizer!r}")
 
-    dcfg = config.get("dtensor_cfg") or {}
-    if not isinstance(dcfg, dict):
-        raise ConfigError(f"dtensor_cfg must be a dict, got {type(dcfg).__name__}")
+
+def _int(value: Any, key: str, minimum: int) -> int:
+    try:
+        return check_int(value, key, minimum=minimum)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def _number(value: Any, key: str) -> float:
+    try:
+        return check_number(value, key, minimum=0.0)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_dtensor(config: dict[str, Any]) -> None:
+    dcfg = _dict(config.get("dtensor_cfg"), "dtensor_cfg")
     _unknown(dcfg, _DTENSOR_KEYS, "dtensor_cfg")
     if "enabled" in dcfg and not dcfg["enabled"]:
         raise ConfigError(
             "dtensor_cfg.enabled=False: phalanx's Policy is the DTensor (FSDP2) backend; "
             "set dtensor_cfg.enabled=True"
         )
-    if dcfg.get("_v2"):
-        raise ConfigError(
-            "dtensor_cfg._v2=True selects NeMo-RL's Automodel worker (DTensorPolicyWorkerV2), "
-            "which phalanx does not have; drop _v2 to use the DTensor worker"
-        )
     if dcfg.get("expert_parallel_size", 1) != 1:
         raise ConfigError("dtensor_cfg.expert_parallel_size > 1: no expert parallelism in phalanx")
-    for key in ("moe_parallelizer", "automodel_kwargs"):
-        if dcfg.get(key):
-            raise ConfigError(f"dtensor_cfg.{key}: Automodel/MoE options are not supported")
-    for key in ("lora_cfg", "lora"):
-        if _enabled(dcfg.get(key), f"dtensor_cfg.{key}"):
-            raise ConfigError(f"dtensor_cfg.{key}.enabled=True: LoRA is not supported")
+    if positive_int(dcfg.get("dp_replicate_size", 1), "dtensor_cfg.dp_replicate_size") > 1:
+        raise ConfigError(
+            "dtensor_cfg.dp_replicate_size > 1 (HSDP): phalanx shards over every data-parallel "
+            "rank (FSDP); set dp_replicate_size=1"
+        )
+    if dcfg.get("moe_parallelizer"):
+        raise ConfigError("dtensor_cfg.moe_parallelizer: MoE models are not supported")
+    automodel = _dict(dcfg.get("automodel_kwargs"), "dtensor_cfg.automodel_kwargs")
+    # force_hf: phalanx always builds Hugging Face's own model class, which is what it asks.
+    extra = sorted(k for k, v in automodel.items() if k != "force_hf" and v)
+    if extra:
+        raise ConfigError(
+            f"dtensor_cfg.automodel_kwargs {extra}: Automodel's custom kernels and model "
+            "classes are not available; phalanx builds the Hugging Face model (force_hf)"
+        )
+    if _enabled(dcfg.get("lora"), "dtensor_cfg.lora"):
+        raise ConfigError(
+            "dtensor_cfg.lora.enabled=True: NeMo-RL reads the LoRA settings from "
+            "dtensor_cfg.lora_cfg (dtensor_cfg.lora is read by nothing); rename the key"
+        )
     env = dcfg.get("env_vars")
     if env is not None and not (isinstance(env, dict) and all(isinstance(k, str) for k in env)):
         raise ConfigError(f"dtensor_cfg.env_vars must be a dict of str, got {env!r}")
     n = dcfg.get("clear_cache_every_n_steps")
     if n is not None:
-        _positive_int(n, "dtensor_cfg.clear_cache_every_n_steps")
+        positive_int(n, "dtensor_cfg.clear_cache_every_n_steps")
     plan = dcfg.get("custom_parallel_plan")
     if plan is not None and not isinstance(plan, (str, dict)):
         raise ConfigError(
@@ -147,62 +252,66 @@ def check_policy_config(config: dict[str, Any]) -> None:
             f"or a dotted path to one (or to a function returning one), got {plan!r}"
         )
 
-    if _enabled(config.get("megatron_cfg"), "megatron_cfg"):
-        raise ConfigError("megatron_cfg.enabled=True: phalanx has no Megatron backend")
-    if _enabled(config.get("reward_model_cfg"), "reward_model_cfg"):
-        raise ConfigError("reward_model_cfg.enabled=True: reward models are not supported")
-    overrides = config.get("hf_config_overrides")
-    if overrides is not None and not isinstance(overrides, dict):
-        raise ConfigError(f"hf_config_overrides must be a dict, got {overrides!r}")
-    chunk = config.get("logprob_chunk_size")
-    if chunk is not None:
-        _positive_int(chunk, "logprob_chunk_size")
-    gen = config.get("generation")
-    if gen is not None:
-        if not isinstance(gen, dict):
-            raise ConfigError(f"generation must be a dict, got {type(gen).__name__}")
-        t = gen.get("temperature", 1.0)
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
-            raise ConfigError(f"generation.temperature must be a positive number, got {t!r}")
 
+def _check_generation(gen: dict[str, Any]) -> None:
+    t = gen.get("temperature", 1.0)
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0:
+        raise ConfigError(f"generation.temperature must be a positive number, got {t!r}")
+    # NeMo-RL's worker also filters the training logits by top-k/top-p; phalanx does not.
+    if gen.get("top_k") not in (None, -1, 0) or gen.get("top_p", 1.0) not in (None, 1.0):
+        raise ConfigError(
+            f"generation.top_k={gen.get('top_k')!r} / top_p={gen.get('top_p', 1.0)!r}: "
+            "top-k/top-p filtering of the training log-probs is not supported; use "
+            "top_k=None and top_p=1.0"
+        )
+
+
+def _check_batching(config: dict[str, Any]) -> None:
     dyn, packing = config.get("dynamic_batching"), config.get("sequence_packing")
     if _enabled(dyn, "dynamic_batching"):
         _unknown(dyn, _DYNAMIC_KEYS, "dynamic_batching")
         for key in ("train_mb_tokens", "sequence_length_round"):
             if key not in dyn:
                 raise ConfigError(f"dynamic_batching.{key} is required when enabled")
-            _positive_int(dyn[key], f"dynamic_batching.{key}")
+            positive_int(dyn[key], f"dynamic_batching.{key}")
         if "logprob_mb_tokens" in dyn:
-            _positive_int(dyn["logprob_mb_tokens"], "dynamic_batching.logprob_mb_tokens")
-    if _enabled(packing, "sequence_packing"):
-        if _enabled(dyn, "dynamic_batching"):
-            raise ConfigError(
-                "sequence_packing and dynamic_batching are exclusive; enable only one"
-            )
-        _unknown(packing, _PACKING_KEYS, "sequence_packing")
-        if "train_mb_tokens" not in packing:
-            raise ConfigError("sequence_packing.train_mb_tokens is required when enabled")
-        _positive_int(packing["train_mb_tokens"], "sequence_packing.train_mb_tokens")
-        if "logprob_mb_tokens" in packing:
-            _positive_int(packing["logprob_mb_tokens"], "sequence_packing.logprob_mb_tokens")
-        algorithm = packing.get("algorithm", "modified_first_fit_decreasing")
-        if algorithm not in PACKING_ALGORITHMS:
-            raise ConfigError(
-                f"sequence_packing.algorithm must be one of {PACKING_ALGORITHMS}, got {algorithm!r}"
-            )
-        order = packing.get("microbatch_order", "packer")
-        if order not in MICROBATCH_ORDERS:
-            raise ConfigError(
-                f"sequence_packing.microbatch_order must be one of {MICROBATCH_ORDERS}, "
-                f"got {order!r}"
-            )
-        if int(dcfg.get("context_parallel_size", 1)) > 1:
-            raise ConfigError(
-                "sequence_packing with context_parallel_size > 1 is not supported (nor in "
-                "NeMo-RL's DTensor worker)"
-            )
-    if config.get("scheduler") is not None and not isinstance(config["scheduler"], (dict, list)):
-        raise ConfigError("scheduler must be a dict {name, kwargs} or a list of them")
+            positive_int(dyn["logprob_mb_tokens"], "dynamic_batching.logprob_mb_tokens")
+    if not _enabled(packing, "sequence_packing"):
+        return
+    if _enabled(dyn, "dynamic_batching"):
+        raise ConfigError("sequence_packing and dynamic_batching are exclusive; enable only one")
+    _unknown(packing, _PACKING_KEYS, "sequence_packing")
+    if "train_mb_tokens" not in packing:
+        raise ConfigError("sequence_packing.train_mb_tokens is required when enabled")
+    for key in ("train_mb_tokens", "logprob_mb_tokens", "sequence_length_round"):
+        if key in packing:
+            positive_int(packing[key], f"sequence_packing.{key}")
+    algorithm = packing.get("algorithm", "modified_first_fit_decreasing")
+    if algorithm not in PACKING_ALGORITHMS:
+        raise ConfigError(
+            f"sequence_packing.algorithm must be one of {PACKING_ALGORITHMS}, got {algorithm!r}"
+        )
+    order = packing.get("microbatch_order", "packer")
+    if order not in MICROBATCH_ORDERS:
+        raise ConfigError(
+            f"sequence_packing.microbatch_order must be one of {MICROBATCH_ORDERS}, got {order!r}"
+        )
+    if int((config.get("dtensor_cfg") or {}).get("context_parallel_size", 1)) > 1:
+        raise ConfigError(
+            "sequence_packing with context_parallel_size > 1 is not supported (nor in "
+            "NeMo-RL's DTensor worker)"
+        )
+
+
+def import_object(path: str, what: str) -> Any:
+    """The object at dotted ``path`` ("module.Name"); ``what`` names the config key."""
+    module, _, name = path.rpartition(".") if isinstance(path, str) else ("", "", "")
+    if not module:
+        raise ConfigError(f"{what}: expected 'module.Name', got {path!r}")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{what}: cannot import {path!r} ({e})") from None
 
 
 def dynamic_batching_enabled(config: dict[str, Any]) -> bool:

@@ -9,35 +9,10 @@ normalised by the number of valid tokens of the whole global batch, so the resul
 not depend on the sharding. Context parallelism needs CUDA (``check_parallel_config``
 refuses it on CPU); on GPU the forward and backward run inside ``train_context``.
 
-Config (a dict, NeMo-RL's ``PolicyConfig`` keys; ``policy_config.py`` decides every key)::
-
-    model_name                    path of a save_pretrained model (required)
-    train_global_batch_size       rows per optimizer step, over all ranks
-    train_micro_batch_size        rows per forward/backward on one rank
-    logprob_batch_size            rows per forward in get_logprobs
-    logprob_chunk_size            positions per chunk when computing log-probs
-    max_total_sequence_length     longest input accepted
-    precision                     "float32" | "bfloat16" | "float16" (FSDP2 mixed precision)
-    max_grad_norm                 gradient clipping (None: no clipping)
-    optimizer                     {"name": "torch.optim.AdamW", "kwargs": {...}}
-    scheduler                     None | {"name", "kwargs"} | [{"name", "kwargs"}, ...,
-                                  {"milestones": [...]}] (SequentialLR)
-    dtensor_cfg                   {"activation_checkpointing", "cpu_offload",
-                                   "tensor_parallel_size", "context_parallel_size",
-                                   "sequence_parallel", "custom_parallel_plan",
-                                   "defer_fsdp_grad_sync", "clear_cache_every_n_steps",
-                                   "env_vars"}
-    dynamic_batching              {"enabled", "train_mb_tokens", "logprob_mb_tokens",
-                                   "sequence_length_round"}
-    sequence_packing              {"enabled", "train_mb_tokens", "logprob_mb_tokens",
-                                   "algorithm", "microbatch_order"}
-    generation                    its "temperature" divides the logits (as in NeMo-RL)
-    hf_config_overrides           passed to the model config
-    offload_optimizer_for_logprob prepare_for_lp_inference moves optimizer state to CPU
-                                  (default True)
-    refit_buffer_size_gb / _mb    refit bucket size
-    seed                          torch seed (same on every rank)
-    profile_dir                   where stop_gpu_profiling writes its trace
+The config is a dict of NeMo-RL's ``PolicyConfig`` keys (``policy_config.py`` lists and
+checks them). Weight refit lives in ``refit_source.py`` and memory moves in ``offload.py``
+and device facts in ``device_info.py`` (mixins of this class); the model is built by
+``build_model`` and the optimizer by ``build_optimizer`` over the trainable parameters.
 
 With ``dynamic_batching`` or ``sequence_packing`` the data must come from
 ``BatchedDataDict.shard_by_batch_size`` with the matching arguments (``Policy`` does that):
@@ -48,13 +23,8 @@ restarting per sequence and a block-diagonal causal mask.
 from __future__ import annotations
 
 import contextlib
-import gc
-import importlib
 import os
-import socket
-import time
-import warnings
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -63,92 +33,48 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from phalanx.data import BatchedDataDict
+from phalanx.llm.checkpoint import load_optimizer, load_sharded, save_optimizer, save_sharded
+from phalanx.llm.device_info import DeviceInfoMixin
+from phalanx.llm.fsdp_state import (
+    full_state_dict,
+    get_cpu_state_dict,
+    local,
+    reshard,
+    unshard_fsdp2_model,
+)
 from phalanx.llm.logprobs import chosen_token_logprobs
+from phalanx.llm.lora import load_adapters, save_adapters
 from phalanx.llm.loss import LossFunction, LossType
+from phalanx.llm.model_setup import build_model
+from phalanx.llm.offload import OffloadMixin, free_device_cache
+from phalanx.llm.optimizer import build_optimizer
+from phalanx.llm.packed_rows import pack_rows, unpack_to_rows, unpack_token_logprobs
 from phalanx.llm.parallelize import (
-    apply_custom_plan,
-    apply_fsdp,
-    apply_tp,
-    check_tp_size,
+    check_parallel_config,
     clip_grad_norm,
 )
 from phalanx.llm.policy_config import (
+    PRECISIONS,
     ConfigError,
     check_policy_config,
     dynamic_batching_enabled,
     logits_temperature,
     sequence_packing_enabled,
 )
-from phalanx.llm.sequence_packing import pack_rows, unpack_to_rows, unpack_token_logprobs
+from phalanx.llm.refit_source import PG_TIMEOUT_S, RefitSource
 from phalanx.worker.worker import Worker
 
-_PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_PG_TIMEOUT = timedelta(seconds=300)
+__all__ = [
+    "DTensorPolicyWorker",
+    "check_parallel_config",
+    "get_cpu_state_dict",
+    "unshard_fsdp2_model",
+]
+
+_PG_TIMEOUT = timedelta(seconds=PG_TIMEOUT_S)
 
 
-# ----------------------------------------------------------------------------- module functions
-
-
-@contextlib.contextmanager
-def unshard_fsdp2_model(model: torch.nn.Module) -> Generator[None, None, None]:
-    """Hold the full (unsharded) parameters of every FSDP2 module inside the block."""
-    from torch.distributed.fsdp import FSDPModule
-
-    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    try:
-        for m in fsdp_modules:
-            m.unshard()
-        yield
-    finally:
-        for m in fsdp_modules:
-            m.reshard()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def get_cpu_state_dict(
-    state_generator: Iterable[tuple[str, torch.Tensor | DTensor]], pin_memory: bool = False
-) -> dict[str, torch.Tensor]:
-    """Copy each tensor's local part (a DTensor's shard on this rank) into new CPU memory.
-
-    The copies share nothing with the model, so they survive later training steps.
-    ``pin_memory`` pins them (only when CUDA is available) for fast copies back.
-    """
-    pin = pin_memory and torch.cuda.is_available()
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state_generator:
-        local = _local(value).detach()
-        buf = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
-        buf.copy_(local, non_blocking=pin)
-        out[key] = buf
-    if pin:
-        torch.cuda.synchronize()
-    return out
-
-
-def _free_device_cache() -> None:
-    """Return freed GPU memory to the device (a full gc only matters, and pays, on GPU)."""
-    if torch.cuda.is_available():
-        gc.collect()
-        torch.cuda.empty_cache()
-
-
-def _import_object(path: str, what: str) -> Any:
-    module, _, name = path.rpartition(".")
-    if not module:
-        raise ValueError(f"{what}: expected 'module.Name', got {path!r}")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{what}: cannot import {path!r} ({e})") from None
-
-
-# ----------------------------------------------------------------------------- the worker
-
-
-class DTensorPolicyWorker(Worker):
+class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
     """One rank of an FSDP2-sharded policy (NeMo-RL's ``DTensorPolicyWorker``)."""
 
     def __repr__(self) -> str:
@@ -203,9 +129,12 @@ class DTensorPolicyWorker(Worker):
         self._fsdp_mesh = (
             self.device_mesh["dp", "cp"]._flatten("dp_cp") if self.cp_size > 1 else self.dp_mesh
         )
-        self.dtype = _PRECISIONS[self.cfg.get("precision", "float32")]
+        self.dtype = PRECISIONS[self.cfg.get("precision", "float32")]
         self.temperature = logits_temperature(self.cfg)
         self.logprob_chunk_size = self.cfg.get("logprob_chunk_size")
+        # dtensor_cfg._v2: NeMo-RL's Automodel worker; phalanx runs this worker with its
+        # observable differences (per-micro-batch metrics).
+        self.v2 = bool(dcfg.get("_v2", False))
         self.mode = (
             "dynamic"
             if dynamic_batching_enabled(self.cfg)
@@ -213,7 +142,9 @@ class DTensorPolicyWorker(Worker):
             if sequence_packing_enabled(self.cfg)
             else "plain"
         )
-        self.model = self._load_model()
+        self.model, self.peft_model = build_model(
+            self.cfg, self.device, self.dtype, self.tp_mesh, self._fsdp_mesh, self.sequence_parallel
+        )
         self.max_seq_len = int(
             self.cfg.get("max_total_sequence_length")
             or getattr(self.model.config, "max_position_embeddings", 1 << 30)
@@ -223,22 +154,15 @@ class DTensorPolicyWorker(Worker):
         if init_optimizer:
             self._init_optimizer()
         self.reference_model_state_dict: dict[str, torch.Tensor] | None = None
-        if init_reference_model:
+        # With LoRA the reference policy is the base model: the adapters disabled, no copy.
+        if init_reference_model and self.peft_model is None:
             self.reference_model_state_dict = get_cpu_state_dict(
                 self.model.state_dict().items(), pin_memory=True
             )
         if weights_path:
             self.load_checkpoint(weights_path, optimizer_path if init_optimizer else None)
-        self._held_refit: dict[str, torch.Tensor] | None = None
-        self._ipc_buffers: list[torch.Tensor] = []
-        self._shm_segment: Any = None
-        self._refit_segment: Any = None
-        self._refit_layout: tuple[Any, Any] | None = None
-        self._one_node: bool | None = None
-        self._refit_maps: dict[str, Any] = {}  # name -> mapped buffer (write_weights_to_shm)
-        self._profiler: Any = None
-        self._peak_rss = 0
-        self.model_update_group: Any = None
+        self._init_refit_state()
+        self._init_device_info()
 
     # ------------------------------------------------------------------ setup
     def _init_process_group(self) -> None:
@@ -252,84 +176,10 @@ class DTensorPolicyWorker(Worker):
             timeout=_PG_TIMEOUT,
         )
 
-    def _load_model(self) -> torch.nn.Module:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        dcfg = self.cfg.get("dtensor_cfg") or {}
-        overrides = dict(self.cfg.get("hf_config_overrides") or {})
-        overrides.setdefault("attn_implementation", "sdpa")
-        config = AutoConfig.from_pretrained(self.cfg["model_name"], **overrides)
-        model = AutoModelForCausalLM.from_pretrained(
-            self.cfg["model_name"], config=config, dtype=torch.float32
-        )
-        model.config.use_cache = False
-        if dcfg.get("activation_checkpointing"):
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False}
-            )
-        mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
-        # Pinned host memory needs an accelerator; NeMo-RL does not pin either.
-        offload = CPUOffloadPolicy(pin_memory=False) if dcfg.get("cpu_offload") else None
-        if offload is not None and self.device.type == "cpu":
-            warnings.warn(
-                "dtensor_cfg.cpu_offload=True on a CPU-only worker: parameters already live "
-                "in host memory, so offloading changes nothing",
-                stacklevel=2,
-            )
-        if offload is None and self.device.type == "cuda":
-            model = model.to(self.device)
-        plan = dcfg.get("custom_parallel_plan")
-        if plan is not None and self.tp_size == 1:
-            warnings.warn(
-                "dtensor_cfg.custom_parallel_plan is only applied with tensor_parallel_size > 1 "
-                "(as in NeMo-RL); it has no effect at tensor_parallel_size=1",
-                stacklevel=2,
-            )
-        if self.tp_size > 1:
-            if plan is not None:
-                apply_custom_plan(model, self.tp_mesh, plan)
-            else:
-                apply_tp(model, self.tp_mesh, self.sequence_parallel)
-        apply_fsdp(model, self._fsdp_mesh, mp, offload)
-        return model
-
-    def _reshard(self) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        for m in self.model.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
-
     def _init_optimizer(self) -> None:
-        ocfg = self.cfg.get("optimizer") or {
-            "name": "torch.optim.AdamW",
-            "kwargs": {"lr": 1e-3, "weight_decay": 0.0},
-        }
-        cls = _import_object(ocfg["name"], "optimizer.name")
-        self.optimizer = cls(self.model.parameters(), **dict(ocfg.get("kwargs") or {}))
-        scfg = self.cfg.get("scheduler")
-        if isinstance(scfg, list):
-            # NeMo-RL's form: schedulers chained by SequentialLR at the given milestones.
-            parts, milestones = [], None
-            for entry in scfg:
-                if "name" in entry:
-                    cls_ = _import_object(entry["name"], "scheduler[].name")
-                    parts.append(cls_(self.optimizer, **dict(entry.get("kwargs") or {})))
-                elif "milestones" in entry:
-                    milestones = list(entry["milestones"])
-                else:
-                    raise ConfigError(f"scheduler entry {entry!r} has neither name nor milestones")
-            if milestones is None:
-                raise ConfigError("scheduler list needs a {'milestones': [...]} entry")
-            self.scheduler = torch.optim.lr_scheduler.SequentialLR(
-                self.optimizer, parts, milestones
-            )
-        elif scfg:
-            sched_cls = _import_object(scfg["name"], "scheduler.name")
-            self.scheduler = sched_cls(self.optimizer, **dict(scfg.get("kwargs") or {}))
-        else:
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
+        """The optimizer over the trainable parameters, and its scheduler."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = build_optimizer(params, self.cfg)
 
     # ------------------------------------------------------------------ helpers
     def _all_reduce(
@@ -467,7 +317,7 @@ class DTensorPolicyWorker(Worker):
     def _clear_cache_step(self, i: int) -> None:
         n = (self.cfg.get("dtensor_cfg") or {}).get("clear_cache_every_n_steps")
         if n and i % n == 0:
-            _free_device_cache()
+            free_device_cache()
 
     # ------------------------------------------------------------------ training
     def train(
@@ -554,6 +404,13 @@ class DTensorPolicyWorker(Worker):
                         (loss * self.dp_size).backward()
                 if metrics is not None:
                     gb_loss += loss.detach()
+                    if self.v2:  # NeMo-RL's v2 worker adds these to every micro-batch
+                        metrics = {
+                            **metrics,
+                            "lr": self.optimizer.param_groups[0]["lr"] if self.optimizer else None,
+                            "global_valid_seqs": float(global_seqs),
+                            "global_valid_toks": float(global_toks),
+                        }
                     for k, v in metrics.items():
                         mb_metrics.setdefault(k, []).append(v)
             grad_norm = torch.zeros(())
@@ -573,6 +430,10 @@ class DTensorPolicyWorker(Worker):
             "grad_norm": torch.stack(grad_norms) if grad_norms else torch.zeros(0),
             "lr": lr,
             "rank": self.rank,
+            "gpu_name": torch.cuda.get_device_name(self.device)
+            if self.device.type == "cuda"
+            else "cpu",
+            "model_dtype": self.dtype,
             "all_mb_metrics": mb_metrics,
         }
 
@@ -639,26 +500,36 @@ class DTensorPolicyWorker(Worker):
 
     @contextlib.contextmanager
     def use_reference_model(self) -> Generator[None, None, None]:
-        """Swap the reference weights into the model in place; swap back afterwards."""
+        """Swap the reference weights into the model in place; swap back afterwards.
+        With LoRA: disable the adapters inside the block."""
+        if self.peft_model is not None:
+            with self.peft_model.disable_adapter():
+                yield
+            return
         if self.reference_model_state_dict is None:
             raise RuntimeError("use_reference_model: built with init_reference_model=False")
-        self._reshard()
+        reshard(self.model)
         state = self.model.state_dict()
         current = get_cpu_state_dict(state.items(), pin_memory=True)
         with torch.no_grad():
             for k, v in state.items():
-                _local(v).copy_(self.reference_model_state_dict[k])
+                local(v).copy_(self.reference_model_state_dict[k])
         try:
             yield
         finally:
-            self._reshard()
+            reshard(self.model)
             with torch.no_grad():
                 for k, v in state.items():
-                    _local(v).copy_(current[k])
+                    local(v).copy_(current[k])
 
     def update_reference_model(self) -> None:
         """Take the current weights as the new reference (e.g. after an SFT warm-up)."""
-        self._reshard()
+        if self.peft_model is not None:
+            raise RuntimeError(
+                "update_reference_model: with LoRA the reference policy is the base model "
+                "(adapters disabled); it cannot take the adapted weights"
+            )
+        reshard(self.model)
         self.reference_model_state_dict = get_cpu_state_dict(
             self.model.state_dict().items(), pin_memory=True
         )
@@ -681,13 +552,13 @@ class DTensorPolicyWorker(Worker):
         from torch.distributed.tensor import distribute_tensor
 
         gen = torch.Generator().manual_seed(seed)
-        self._reshard()
+        reshard(self.model)
         for p in self.model.parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * std
             if isinstance(p, DTensor):
                 noise = distribute_tensor(noise, p.device_mesh, p.placements, src_data_rank=None)
-            local = _local(p)
-            local.add_(_local(noise).to(local.device, local.dtype))
+            part = local(p)
+            part.add_(local(noise).to(part.device, part.dtype))
 
     def return_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's model state dict as NeMo-RL returns it: sharded parameters stay
@@ -696,283 +567,16 @@ class DTensorPolicyWorker(Worker):
         Not a collective: it may be called on one worker. ``return_full_state_dict`` (every
         rank calls it) gathers full tensors.
         """
-        self._reshard()
+        reshard(self.model)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def return_full_state_dict(self) -> dict[str, torch.Tensor]:
         """The full (gathered) model state dict on CPU; a collective: every rank calls it."""
-        self._reshard()
-        return {
-            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-            for k, v in self.model.state_dict().items()
-        }
+        return {k: v.cpu() for k, v in full_state_dict(self.model).items()}
 
-    # ------------------------------------------------------------------ refit
-    # Built on the weight-sync layer (phalanx.weights): its stream layout, shared-memory
-    # segments, CUDA IPC handles and bucketed collective broadcast.
-    def _full_state_for_refit(self) -> dict[str, torch.Tensor]:
-        """Full (gathered) weights; a collective over the policy's ranks."""
-        self._reshard()
-        return {
-            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
-            for k, v in self.model.state_dict().items()
-        }
-
-    def _refit_bucket_bytes(self) -> int:
-        from phalanx.weights.layout import check_sizes
-
-        if "refit_buffer_size_gb" in self.cfg:  # NeMo-RL's key
-            return check_sizes(float(self.cfg["refit_buffer_size_gb"]) * 1024)
-        return check_sizes(self.cfg.get("refit_buffer_size_mb", 64))
-
-    def prepare_weights_for_ipc(self) -> tuple[list[tuple[str, int]], float]:
-        """Gather the full weights and hold them for ``get_weights_ipc_handles``.
-
-        Every rank must call it. Returns ``[(name, nbytes)]`` (at the refit dtype, the
-        policy's precision) and the bytes of device memory free for refit buffers.
-        """
-        self._held_refit = self._full_state_for_refit()
-        item = torch.empty((), dtype=self.dtype).element_size()
-        info = [(k, v.numel() * item) for k, v in self._held_refit.items()]
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-        else:
-            import psutil
-
-            free = psutil.virtual_memory().available
-        return info, float(free)
-
-    def get_weights_ipc_handles(self, keys: Iterable[str]) -> dict[str, Any]:
-        """Same-node handles to the held weights ``keys``: ``{device_id: handle}``.
-
-        On GPU the weights are packed into one CUDA buffer and its CUDA IPC handle is
-        returned; on CPU they are packed into a shared-memory segment (kept and reused
-        across refits) and its name is returned. The handle carries the stream layout.
-        """
-        from phalanx.weights import gather
-
-        if self._held_refit is None:
-            raise RuntimeError("get_weights_ipc_handles: call prepare_weights_for_ipc first")
-        keys = list(keys)
-        missing = [k for k in keys if k not in self._held_refit]
-        if missing:
-            raise KeyError(f"get_weights_ipc_handles: unknown keys {missing[:5]}")
-        layout, sources = gather({k: self._held_refit[k] for k in keys}, dtype=self.dtype)
-        if self.device.type == "cuda":
-            from phalanx.weights import ipc_handle, pack_to_cuda
-
-            flat = pack_to_cuda(layout, sources, self.device)
-            self._ipc_buffers = [flat]  # alive until the receivers copied (next refit)
-            handle = {"kind": "cuda_ipc", "layout": layout, **ipc_handle(flat)}
-        else:
-            from phalanx.weights import pack_to_shm
-
-            self._shm_segment = pack_to_shm(layout, sources, self._shm_segment)
-            handle = {"kind": "shm", "layout": layout, "name": self._shm_segment.name}
-        return {self.report_device_id(): handle}
-
-    def pack_weights_for_ipc(self) -> dict[str, Any] | None:
-        """``prepare_weights_for_ipc`` + ``get_weights_ipc_handles`` in one call, cheaper.
-
-        Every rank must call it; rank 0 returns the handles, once the weights are in place.
-        On CPU, when all policy ranks
-        share a node, each rank copies its own rows of every parameter into one
-        shared-memory segment (kept across refits; no gather, no collective after the
-        first call), so the cost is one parallel copy of the weights. Otherwise the full
-        weights are gathered and packed by rank 0, as the two seed methods do.
-        """
-        if self.device.type == "cuda" or not self._policy_on_one_node():
-            info, _ = self.prepare_weights_for_ipc()
-            return self.get_weights_ipc_handles([k for k, _ in info]) if self.rank == 0 else None
-        from phalanx.llm.shard_pack import write_shards
-
-        state, layout = self._stream_state()
-        segment = self._shared_segment(layout.total_bytes)
-        write_shards(segment.tensor, layout, state, self.rank == 0)
-        dist.barrier()  # rank 0 returns once every rank has written: receivers may read
-        if self.rank != 0:
-            return None
-        return {self.report_device_id(): {"kind": "shm", "layout": layout, "name": segment.name}}
-
-    def _stream_state(self) -> tuple[dict[str, torch.Tensor], Any]:
-        """The (resharded) state dict and its full-tensor stream layout, cached by shapes."""
-        from phalanx.llm.shard_pack import stream_layout
-
-        self._reshard()
-        state = self.model.state_dict()
-        key = tuple((k, tuple(v.shape), v.dtype) for k, v in state.items())
-        if self._refit_layout is None or self._refit_layout[0] != key:
-            self._refit_layout = (key, stream_layout(state, self.dtype))
-        return state, self._refit_layout[1]
-
-    def shm_refit_layout(self) -> Any:
-        """The stream layout for ``write_weights_to_shm``, or None where the ranks cannot
-        write one same-node buffer (weights on GPU, or ranks on several nodes).
-
-        Every rank must call it (the first call asks the ranks for their hosts).
-        """
-        if self.device.type == "cuda" or not self._policy_on_one_node():
-            return None
-        return self._stream_state()[1]
-
-    def write_weights_to_shm(self, path: str, live: Iterable[str] = ()) -> Any:
-        """Every rank copies its own rows of every parameter into the shared buffer ``path``
-        (a same-node segment another process made, e.g. a ``WeightSender``'s
-        ``reserve_shared_buffer``): no gather, no collective beyond a final barrier.
-
-        Mappings are kept for the next call; those of buffers neither ``path`` nor in
-        ``live`` (retired by their owner) are dropped. Every rank must call it; rank 0
-        returns the stream layout once every rank has written, the others None.
-        """
-        from phalanx.llm.shard_pack import write_shards
-        from phalanx.weights import ShmSegment
-
-        state, layout = self._stream_state()
-        keep = {os.path.basename(p) for p in (path, *live)}
-        maps = {k: v for k, v in self._refit_maps.items() if k in keep}
-        name = os.path.basename(path)
-        seg = maps.get(name)
-        if seg is None:
-            seg = maps[name] = ShmSegment(0, name=path, create=False)
-        self._refit_maps = maps
-        if seg.size < layout.total_bytes:
-            raise ValueError(
-                f"write_weights_to_shm: buffer {path!r} holds {seg.size} bytes, the weights "
-                f"need {layout.total_bytes}"
-            )
-        write_shards(seg.tensor, layout, state, self.rank == 0)
-        dist.barrier()  # rank 0 returns once every rank has written: receivers may read
-        return layout if self.rank == 0 else None
-
-    def _policy_on_one_node(self) -> bool:
-        if self._one_node is None:
-            hosts: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(hosts, socket.gethostname())
-            self._one_node = len(set(hosts)) == 1
-        return self._one_node
-
-    def _shared_segment(self, nbytes: int) -> Any:
-        """The refit segment every policy rank maps (rank 0 creates it, once per size)."""
-        from phalanx.weights import ShmSegment
-
-        seg = self._refit_segment
-        if seg is not None and seg.size >= nbytes:
-            return seg  # every rank decides alike: all saw the same sizes
-        name: list[Any] = [None]
-        if self.rank == 0:
-            if seg is not None:
-                seg.unlink()
-            seg = ShmSegment(nbytes)
-            name = [seg.name]
-        dist.broadcast_object_list(name, src=0)
-        if self.rank != 0:
-            seg = ShmSegment(nbytes, name=name[0], create=False)
-        self._refit_segment = seg
-        return seg
-
-    def prepare_info_for_collective(self) -> dict[str, Any]:
-        """The stream layout and bucket size a collective refit uses (every rank calls)."""
-        from phalanx.weights import gather
-
-        layout, _ = gather(self._full_state_for_refit(), dtype=self.dtype)
-        return {"layout": layout, "bucket_bytes": self._refit_bucket_bytes()}
-
-    def init_collective(self, ip: str, port: int, world_size: int) -> None:
-        """Create the refit process group as its rank 0 (on policy rank 0; receivers join
-        as ranks 1..world_size-1). Gloo on CPU, NCCL on GPU."""
-        if self.rank != 0:
-            return
-        from phalanx.comm.process_group import host_store
-        from phalanx.weights import new_process_group
-
-        store = host_store(ip, _PG_TIMEOUT.total_seconds(), port)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self._refit_store = store
-        self.model_update_group = new_process_group(
-            store, "refit", 0, world_size, backend, _PG_TIMEOUT.total_seconds()
-        )
-
-    def broadcast_weights_for_collective(self) -> None:
-        """Gather the full weights (all policy ranks) and broadcast them from rank 0."""
-        from phalanx.weights import broadcast_stream, gather
-
-        full = self._full_state_for_refit()
-        if self.rank != 0:
-            return
-        if self.model_update_group is None:
-            raise RuntimeError("broadcast_weights_for_collective: call init_collective first")
-        layout, sources = gather(full, dtype=self.dtype)
-        broadcast_stream(
-            self.model_update_group, layout, sources, self._refit_bucket_bytes(), self.device
-        )
-
-    # ------------------------------------------------------------------ memory movement
-    def _move_optimizer(self, device: str | torch.device) -> None:
-        if self.optimizer is None:
-            return
-        for state in self.optimizer.state.values():
-            for k, v in state.items():
-                if isinstance(v, torch.Tensor) and v.device != torch.device(device):
-                    state[k] = v.to(device)
-
-    def move_to_device(self, model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
-        """Move parameters and buffers of ``model`` to ``device``."""
-        model = self.move_buffer_to_device(model, device)
-        return model.to(device)
-
-    def move_buffer_to_device(
-        self, model: torch.nn.Module, device: str | torch.device
-    ) -> torch.nn.Module:
-        """Move only the buffers (FSDP2 shards parameters, not buffers)."""
-        for module in model.modules():
-            for name, buf in list(module._buffers.items()):
-                if buf is not None and buf.device != torch.device(device):
-                    module._buffers[name] = buf.to(device)
-        return model
-
-    def move_to_cuda(self, model: torch.nn.Module) -> torch.nn.Module:
-        if not torch.cuda.is_available():
-            raise RuntimeError("move_to_cuda: CUDA is not available on this worker (CPU only)")
-        model = self.move_to_device(model, "cuda")
-        torch.cuda.synchronize()
-        return model
-
-    def move_to_cpu(self, model: torch.nn.Module) -> torch.nn.Module:
-        model = self.move_to_device(model, "cpu")
-        _free_device_cache()
-        return model
-
-    def _model_device(self) -> torch.device:
-        dcfg = self.cfg.get("dtensor_cfg") or {}
-        return torch.device("cpu") if dcfg.get("cpu_offload") else self.device
-
-    def prepare_for_lp_inference(self) -> None:
-        """Model on its device in eval mode; optimizer state off the device."""
-        self.model = self.move_to_device(self.model, self._model_device())
-        self.model.eval()
-        if self.cfg.get("offload_optimizer_for_logprob", True):
-            self.offload_before_refit()
-
-    def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
-        """Model and optimizer state on the device, model in train mode."""
-        self.model = self.move_to_device(self.model, self._model_device())
-        self.model.train()
-        self._move_optimizer(self._model_device())
-        _free_device_cache()
-
-    def offload_before_refit(self) -> None:
-        """Move optimizer state to CPU to make room for refit buffers."""
-        self._move_optimizer("cpu")
-        _free_device_cache()
-
-    def offload_after_refit(self) -> None:
-        """Free the held refit buffers and move the model to CPU (until training resumes)."""
-        self.model = self.move_to_cpu(self.model)
-        self.model.eval()
-        self._held_refit = None
-        self._ipc_buffers = []
-        self._move_optimizer("cpu")
-        _free_device_cache()
+    def return_model_config(self) -> Any:
+        """The model's Hugging Face config object (NeMo-RL's ``return_model_config``)."""
+        return self.model.config
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(
@@ -980,59 +584,39 @@ class DTensorPolicyWorker(Worker):
         weights_path: str,
         optimizer_path: str | None = None,
         tokenizer_path: str | None = None,
+        checkpointing_cfg: dict[str, Any] | None = None,
     ) -> None:
-        """Sharded save with torch.distributed.checkpoint (every rank calls it)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
+        """Sharded save with torch.distributed.checkpoint (every rank calls it).
 
-        if not weights_path:
-            raise ValueError("save_checkpoint: weights_path is required")
-        dcp.save({"model": get_model_state_dict(self.model)}, checkpoint_id=weights_path)
-        if optimizer_path:
-            if self.optimizer is None:
-                raise RuntimeError("save_checkpoint: no optimizer (init_optimizer=False)")
-            state = {
-                "optim": get_optimizer_state_dict(self.model, self.optimizer),
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
-            }
-            dcp.save(state, checkpoint_id=optimizer_path)
+        ``checkpointing_cfg`` (NeMo-RL v2's) may only ask for this format: its
+        ``model_save_format`` must be None or "torch_save".
+        """
+        fmt = (checkpointing_cfg or {}).get("model_save_format")
+        if fmt not in (None, "torch_save"):
+            raise ConfigError(
+                f"checkpointing_cfg.model_save_format={fmt!r}: phalanx saves sharded "
+                "torch.distributed.checkpoint directories only (use None or 'torch_save')"
+            )
+        if self.peft_model is None:
+            save_sharded(self.model, self.optimizer, self.scheduler, weights_path, optimizer_path)
+        else:  # the adapters in peft's format (rank 0 writes), the optimizer sharded
+            save_adapters(self.peft_model, weights_path, write=self.rank == 0)
+            if optimizer_path:
+                save_optimizer(self.model, self.optimizer, self.scheduler, optimizer_path)
         if tokenizer_path and self.rank == 0:
             self.tokenizer.save_pretrained(tokenizer_path)
         dist.barrier()
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
-        """Load a ``save_checkpoint`` directory into this (already sharded) model."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        if not weights_path or not os.path.isdir(weights_path):
-            raise ValueError(f"load_checkpoint: weights_path {weights_path!r} is not a directory")
-        state = {"model": get_model_state_dict(self.model)}
-        dcp.load(state, checkpoint_id=weights_path)
-        set_model_state_dict(self.model, state["model"])
+        """Load a ``save_checkpoint`` directory into this (already sharded) model; with
+        LoRA, ``weights_path`` holds the adapters in peft's format."""
+        if self.peft_model is None:
+            load_sharded(self.model, self.optimizer, self.scheduler, weights_path, optimizer_path)
+            return
+        reshard(self.model)
+        load_adapters(self.peft_model, weights_path)
         if optimizer_path:
-            if not os.path.isdir(optimizer_path):
-                raise ValueError(
-                    f"load_checkpoint: optimizer_path {optimizer_path!r} is not a directory"
-                )
-            if self.optimizer is None:
-                raise RuntimeError("load_checkpoint: no optimizer (init_optimizer=False)")
-            ostate = {
-                "optim": get_optimizer_state_dict(self.model, self.optimizer),
-                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else {},
-            }
-            dcp.load(ostate, checkpoint_id=optimizer_path)
-            set_optimizer_state_dict(self.model, self.optimizer, ostate["optim"])
-            if self.scheduler is not None and ostate["scheduler"]:
-                self.scheduler.load_state_dict(ostate["scheduler"])
+            load_optimizer(self.model, self.optimizer, self.scheduler, optimizer_path)
 
     # ------------------------------------------------------------------ the rest of the seed
     @staticmethod
@@ -1074,172 +658,22 @@ class DTensorPolicyWorker(Worker):
     def is_alive(self) -> bool:
         return True
 
-    def reset_peak_memory_stats(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        self._peak_rss = self._rss()
-
-    @staticmethod
-    def _rss() -> int:
-        import psutil
-
-        return psutil.Process().memory_info().rss
-
-    def get_gpu_info(self) -> dict[str, Any]:
-        """Device and memory facts of this rank, with NeMo-RL's keys.
-
-        On CPU the memory figures are the process's resident memory (``memory_*_mb``) and
-        ``cuda`` is False; ``parameter_sample`` names one parameter with its device, shape
-        (this rank's shard) and dtype.
-        """
-        rss = self._rss()
-        self._peak_rss = max(self._peak_rss, rss)
-        mb = 1024 * 1024
-        sample: dict[str, Any] = {}
-        for name, p in self.model.named_parameters():
-            if p.requires_grad:
-                local = _local(p)
-                sample[name] = {
-                    "device": str(local.device),
-                    "shape": list(local.shape),
-                    "dtype": str(local.dtype),
-                }
-                break
-        cuda = torch.cuda.is_available()
-        info: dict[str, Any] = {
-            "rank": dist.get_rank() if dist.is_initialized() else self.rank,
-            "world_size": dist.get_world_size() if dist.is_initialized() else self.world_size,
-            "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
-            "local_device_id": torch.cuda.current_device() if cuda else None,
-            "global_device_id": os.environ.get("CUDA_VISIBLE_DEVICES") if cuda else None,
-            "device_count": torch.cuda.device_count() if cuda else 0,
-            "device_name": torch.cuda.get_device_name(self.device) if cuda else "cpu",
-            "memory_allocated_mb": (torch.cuda.memory_allocated(self.device) if cuda else rss) / mb,
-            "memory_reserved_mb": (torch.cuda.memory_reserved(self.device) if cuda else rss) / mb,
-            "peak_memory_allocated_mb": (
-                torch.cuda.max_memory_allocated(self.device) if cuda else self._peak_rss
-            )
-            / mb,
-            "peak_memory_reserved_mb": (
-                torch.cuda.max_memory_reserved(self.device) if cuda else self._peak_rss
-            )
-            / mb,
-            "parameter_sample": sample,
-            "env_vars": {
-                k: v
-                for k, v in os.environ.items()
-                if k.startswith("CUDA") or k in ("LOCAL_RANK", "RANK", "WORLD_SIZE")
-            },
-            # phalanx's own
-            "pid": os.getpid(),
-            "hostname": socket.gethostname(),
-            "device": str(self.device),
-            "cuda": cuda,
-            "cpu_rss_bytes": rss,
-            "cpu_peak_rss_bytes": self._peak_rss,
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        }
-        if cuda:
-            props = torch.cuda.get_device_properties(self.device)
-            info.update(total_memory=props.total_memory, device_uuid=self.report_device_id())
-        return info
-
-    def report_device_id(self) -> str:
-        """The GPU's UUID, or ``cpu:<hostname>`` on CPU (same-node processes share it)."""
-        if torch.cuda.is_available():
-            return str(torch.cuda.get_device_properties(self.device).uuid)
-        return f"cpu:{socket.gethostname()}"
-
-    def start_gpu_profiling(self) -> None:
-        """Start the torch profiler (CPU activity, plus CUDA when present)."""
-        from torch.profiler import ProfilerActivity, profile
-
-        if self._profiler is not None:
-            raise RuntimeError("start_gpu_profiling: profiling is already running")
-        acts = [ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            acts.append(ProfilerActivity.CUDA)
-        self._profiler = profile(activities=acts, record_shapes=False)
-        self._profiler.start()
-
-    def stop_gpu_profiling(self) -> str:
-        """Stop the profiler and write a Chrome trace; returns its path."""
-        if self._profiler is None:
-            raise RuntimeError("stop_gpu_profiling: call start_gpu_profiling first")
-        prof, self._profiler = self._profiler, None
-        prof.stop()
-        out_dir = self.cfg.get("profile_dir") or os.path.join(
-            os.environ.get("TMPDIR", "/tmp"), "phalanx_profiles"
-        )
-        os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, f"{self.group_name}_rank{self.rank}_{int(time.time())}.json")
-        prof.export_chrome_trace(path)
-        return path
-
     def shutdown(self) -> bool:
         """Release the profiler, refit buffers and process groups."""
-        if self._profiler is not None:
-            self._profiler.stop()
-            self._profiler = None
-        self._held_refit = None
-        for seg in (self._shm_segment, self._refit_segment):
-            if seg is not None and self.rank == 0:
-                seg.unlink()
-        self._shm_segment = self._refit_segment = None
-        self._refit_maps = {}
+        self._close_profiler()
+        self._close_refit()
         if dist.is_initialized():
             dist.destroy_process_group()
         return True
 
 
 def _check_config(config: Any) -> dict[str, Any]:
-    if not isinstance(config, dict):
-        raise TypeError(f"config must be a dict, got {type(config).__name__}")
+    """``check_policy_config`` plus the model path and parallel sizes; a copy of ``config``."""
     check_policy_config(config)
     path = config.get("model_name")
     if not path:
         raise ConfigError("config['model_name'] is required (a save_pretrained directory)")
     if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
         raise ConfigError(f"config['model_name']: model path {path!r} does not exist")
-    precision = config.get("precision", "float32")
-    if precision not in _PRECISIONS:
-        raise ConfigError(f"config['precision'] {precision!r} is not one of {sorted(_PRECISIONS)}")
-    for key in ("train_global_batch_size", "train_micro_batch_size", "logprob_batch_size"):
-        v = config.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-            raise ConfigError(f"config[{key!r}] must be a positive int, got {v!r}")
     check_parallel_config(config)
     return dict(config)
-
-
-def check_parallel_config(config: dict[str, Any]) -> tuple[int, int]:
-    """Check ``dtensor_cfg``'s parallel sizes against the model; returns (tp, cp).
-
-    Runs on the driver (``Policy``) before any worker starts, and again in each worker.
-    """
-    dcfg = config.get("dtensor_cfg") or {}
-    sizes = []
-    for key in ("tensor_parallel_size", "context_parallel_size"):
-        v = dcfg.get(key, 1)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"dtensor_cfg.{key} must be a positive int, got {v!r}")
-        sizes.append(v)
-    tp, cp = sizes
-    if dcfg.get("sequence_parallel") and tp == 1:
-        # NeMo-RL warns and goes on; sequence parallelism only exists over tp ranks.
-        warnings.warn(
-            "dtensor_cfg.sequence_parallel=True has no effect with tensor_parallel_size=1 "
-            "(it shards the norms over the tensor-parallel ranks)",
-            stacklevel=2,
-        )
-    if cp > 1 and not torch.cuda.is_available():
-        raise NotImplementedError(
-            f"dtensor_cfg.context_parallel_size={cp}: context parallelism needs CUDA (torch's "
-            "context_parallel runs ring attention on the flash/efficient SDPA kernels, which "
-            "exist only on GPU); use context_parallel_size=1 on CPU"
-        )
-    if tp > 1:
-        from transformers import AutoConfig
-
-        check_tp_size(AutoConfig.from_pretrained(config["model_name"]), tp)
-    return tp, cp

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import phalanx as px
+from phalanx.algorithms.grpo_tiny_task import AdditionTask, encode_prompts, sft_batch
 from phalanx.llm.generation import HFGenerationWorker
 from phalanx.llm.loss import NLLLoss
 from phalanx.llm.policy import Policy
 from phalanx.llm.refit import TRANSPORTS, Refitter
-from phalanx.llm.tiny_task import AdditionTask, encode_prompts, sft_batch
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import phalanx as px
+from phalanx.algorithms.grpo_tiny_task import AdditionTask, encode_prompts, sft_batch
 from phalanx.llm.generation import HFGenerationWorker
 from phalanx.llm.loss import NLLLoss
 from phalanx.llm.policy import Policy
 from phalanx.llm.policy_worker import DTensorPolicyWorker, check_parallel_config
 from phalanx.llm.refit import Refitter
-from phalanx.llm.tiny_task import AdditionTask, encode_prompts, sft_batch
 from tests.llm.test_generation import _gen_cfg, _local_greedy
 
 pytestmark = pytest.mark.timeout(420)  # three policies on a shared 2-core machine

@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
+from phalanx.algorithms.grpo_tiny_task import AdditionTask, sft_batch
 from phalanx.data import BatchedDataDict
 from phalanx.llm.loss import NLLLoss
 from phalanx.llm.policy import Policy
-from phalanx.llm.tiny_task import AdditionTask, sft_batch
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -36,7 +36,13 @@ def _data(tokenizer, n=16, seed=0):
 def _hf_logprobs(model_path, data):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    return model_logprobs(
+        AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), data
+    )
+
+
+def model_logprobs(model, data):
+    """Per-token log-probs of ``data`` under a plain (unsharded) model, as the policy's."""
     with torch.no_grad():
         logits = model(input_ids=data["input_ids"]).logits
     lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, data["input_ids"][:, 1:, None])[..., 0]
@@ -226,7 +232,7 @@ def _pack_uneven(worker, name):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from phalanx.llm.shard_pack import stream_layout, write_shards
+    from phalanx.llm.refit_stream import stream_layout, write_shards
     from phalanx.weights import ShmSegment
 
     torch.manual_seed(0)

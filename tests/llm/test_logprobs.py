@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from phalanx.llm.logprobs import chosen_token_logprobs, entropy_sum, token_logprobs
-from phalanx.llm.sequence_packing import pack_rows, unpack_to_rows, unpack_token_logprobs
+from phalanx.llm.packed_rows import pack_rows, unpack_to_rows, unpack_token_logprobs
 
 
 def _full(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

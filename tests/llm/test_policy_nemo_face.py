@@ -273,9 +273,11 @@ def test_config_errors_name_the_key_before_any_worker_starts(
             "microbatch_order",
         ),
         ({"dynamic_batching": {"enabled": True, "train_mb_tokens": 8}}, "sequence_length_round"),
-        ({"dtensor_cfg": {"_v2": True}}, "_v2"),
         ({"megatron_cfg": {"enabled": True}}, "megatron_cfg"),
-        ({"dtensor_cfg": {"lora_cfg": {"enabled": True}}}, "LoRA"),
+        (
+            {"dtensor_cfg": {"lora_cfg": {"enabled": True, "target_modules": ["q_prj"]}}},
+            "lora_cfg.target_modules: 'q_prj' matches no linear layer",
+        ),
         ({"dtensor_cfg": {"tensor_parallel_size": 4}}, "tensor_parallel_size=4"),
         ({"dtensor_cfg": {"custom_parallel_plan": 3}}, "custom_parallel_plan"),
     ]

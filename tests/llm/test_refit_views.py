@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import phalanx as px
+from phalanx.algorithms.grpo_tiny_task import AdditionTask, encode_prompts
 from phalanx.llm.generation import HFGenerationWorker
 from phalanx.llm.policy import Policy
 from phalanx.llm.refit import Refitter
-from phalanx.llm.tiny_task import AdditionTask, encode_prompts
 from tests.helpers import shm_files, until
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,0 +1,72 @@
+"""The state of an FSDP2-sharded model: local shards, CPU copies, unshard and reshard.
+
+Shared by the policy worker (reference weights), its refit source (full weights for the
+generators) and tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator, Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+@contextlib.contextmanager
+def unshard_fsdp2_model(model: torch.nn.Module) -> Generator[None, None, None]:
+    """Hold the full (unsharded) parameters of every FSDP2 module inside the block."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    try:
+        for m in fsdp_modules:
+            m.unshard()
+        yield
+    finally:
+        for m in fsdp_modules:
+            m.reshard()
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free the unsharded parameters an FSDP2 forward left behind (state dicts then hold
+    this rank's shards only)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (a DTensor's local shard, a plain tensor itself)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full (gathered) weights on their device; a collective over the model's ranks."""
+    reshard(model)
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+        for k, v in model.state_dict().items()
+    }
+
+
+def get_cpu_state_dict(
+    state_generator: Iterable[tuple[str, torch.Tensor | DTensor]], pin_memory: bool = False
+) -> dict[str, torch.Tensor]:
+    """Copy each tensor's local part (a DTensor's shard on this rank) into new CPU memory.
+
+    The copies share nothing with the model, so they survive later training steps.
+    ``pin_memory`` pins them (only when CUDA is available) for fast copies back.
+    """
+    pin = pin_memory and torch.cuda.is_available()
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state_generator:
+        part = local(value).detach()
+        buf = torch.empty(part.shape, dtype=part.dtype, device="cpu", pin_memory=pin)
+        buf.copy_(part, non_blocking=pin)
+        out[key] = buf
+    if pin:
+        torch.cuda.synchronize()
+    return out

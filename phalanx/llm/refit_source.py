@@ -1,0 +1,269 @@
+"""The policy worker as a refit source: its weights, gathered or written shard by shard,
+for generation workers (NeMo-RL's IPC and collective refit methods).
+
+Built on the weight-sync layer (``phalanx.weights``): its stream layout, shared-memory
+segments, CUDA IPC handles and bucketed collective broadcast. ``RefitSource`` is mixed
+into ``DTensorPolicyWorker``; the host class provides ``model``, ``cfg``, ``dtype``,
+``device``, ``rank`` and ``report_device_id()``. Refit reads the weights from
+``_refit_state()`` (gathered or written shard by shard; with LoRA, adapters merged).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from phalanx.llm.fsdp_state import reshard
+from phalanx.llm.lora import base_state_dict, merged_state_dict
+
+PG_TIMEOUT_S = 300.0
+
+
+class RefitSource:
+    """Refit methods and the buffers they keep between refits."""
+
+    model: torch.nn.Module
+    peft_model: Any  # the peft.PeftModel over ``model`` with LoRA, else None
+    cfg: dict[str, Any]
+    dtype: torch.dtype
+    device: torch.device
+    rank: int
+
+    def _refit_state(self, merged: bool = True) -> dict[str, torch.Tensor]:
+        """The weights a refit sends, as this rank holds them: the model's state dict, or
+        with LoRA the base model's names with the adapters merged (each rank its own rows;
+        a collective), or unmerged when ``merged`` is False (for names and shapes)."""
+        reshard(self.model)
+        if self.peft_model is None:
+            return self.model.state_dict()
+        return merged_state_dict(self.peft_model) if merged else base_state_dict(self.peft_model)
+
+    def _full_refit_state(self) -> dict[str, torch.Tensor]:
+        """``_refit_state()`` gathered into full tensors (a collective)."""
+        return {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+            for k, v in self._refit_state().items()
+        }
+
+    def _init_refit_state(self) -> None:
+        self._held_refit: dict[str, torch.Tensor] | None = None
+        self._ipc_buffers: list[torch.Tensor] = []
+        self._shm_segment: Any = None
+        self._refit_segment: Any = None
+        self._refit_layout: tuple[Any, Any] | None = None
+        self._one_node: bool | None = None
+        self._refit_maps: dict[str, Any] = {}  # name -> mapped buffer (write_weights_to_shm)
+        self.model_update_group: Any = None
+
+    def release_refit_buffers(self) -> None:
+        """Drop the weights held for IPC handles (receivers have copied them)."""
+        self._held_refit = None
+        self._ipc_buffers = []
+
+    def _close_refit(self) -> None:
+        """Release every refit buffer and unlink the segments this rank created."""
+        self.release_refit_buffers()
+        for seg in (self._shm_segment, self._refit_segment):
+            if seg is not None and self.rank == 0:
+                seg.unlink()
+        self._shm_segment = self._refit_segment = None
+        self._refit_maps = {}
+
+    @torch.no_grad()
+    def prepare_refit_info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """``{name: (full shape, refit dtype)}`` of the weights a refit sends (NeMo-RL's
+        ``prepare_refit_info``; the dtype is the policy's precision)."""
+        return {k: (v.shape, self.dtype) for k, v in self._refit_state(merged=False).items()}
+
+    def _refit_bucket_bytes(self) -> int:
+        from phalanx.weights.layout import check_sizes
+
+        if "refit_buffer_size_gb" in self.cfg:  # NeMo-RL's key
+            return check_sizes(float(self.cfg["refit_buffer_size_gb"]) * 1024)
+        return check_sizes(self.cfg.get("refit_buffer_size_mb", 64))
+
+    def prepare_weights_for_ipc(self) -> tuple[list[tuple[str, int]], float]:
+        """Gather the full weights and hold them for ``get_weights_ipc_handles``.
+
+        Every rank must call it. Returns ``[(name, nbytes)]`` (at the refit dtype, the
+        policy's precision) and the bytes of device memory free for refit buffers.
+        """
+        self._held_refit = self._full_refit_state()
+        item = torch.empty((), dtype=self.dtype).element_size()
+        info = [(k, v.numel() * item) for k, v in self._held_refit.items()]
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+        return info, float(free)
+
+    def get_weights_ipc_handles(self, keys: Iterable[str]) -> dict[str, Any]:
+        """Same-node handles to the held weights ``keys``: ``{device_id: handle}``.
+
+        On GPU the weights are packed into one CUDA buffer and its CUDA IPC handle is
+        returned; on CPU they are packed into a shared-memory segment (kept and reused
+        across refits) and its name is returned. The handle carries the stream layout.
+        """
+        from phalanx.weights import gather
+
+        if self._held_refit is None:
+            raise RuntimeError("get_weights_ipc_handles: call prepare_weights_for_ipc first")
+        keys = list(keys)
+        missing = [k for k in keys if k not in self._held_refit]
+        if missing:
+            raise KeyError(f"get_weights_ipc_handles: unknown keys {missing[:5]}")
+        layout, sources = gather({k: self._held_refit[k] for k in keys}, dtype=self.dtype)
+        if self.device.type == "cuda":
+            from phalanx.weights import ipc_handle, pack_to_cuda
+
+            flat = pack_to_cuda(layout, sources, self.device)
+            self._ipc_buffers = [flat]  # alive until the receivers copied (next refit)
+            handle = {"kind": "cuda_ipc", "layout": layout, **ipc_handle(flat)}
+        else:
+            from phalanx.weights import pack_to_shm
+
+            self._shm_segment = pack_to_shm(layout, sources, self._shm_segment)
+            handle = {"kind": "shm", "layout": layout, "name": self._shm_segment.name}
+        return {self.report_device_id(): handle}
+
+    def pack_weights_for_ipc(self) -> dict[str, Any] | None:
+        """``prepare_weights_for_ipc`` + ``get_weights_ipc_handles`` in one call, cheaper.
+
+        Every rank must call it; rank 0 returns the handles, once the weights are in place.
+        On CPU, when all policy ranks
+        share a node, each rank copies its own rows of every parameter into one
+        shared-memory segment (kept across refits; no gather, no collective after the
+        first call), so the cost is one parallel copy of the weights. Otherwise the full
+        weights are gathered and packed by rank 0, as the two seed methods do.
+        """
+        if self.device.type == "cuda" or not self._policy_on_one_node():
+            info, _ = self.prepare_weights_for_ipc()
+            return self.get_weights_ipc_handles([k for k, _ in info]) if self.rank == 0 else None
+        from phalanx.llm.refit_stream import write_shards
+
+        state, layout = self._stream_state()
+        segment = self._shared_segment(layout.total_bytes)
+        write_shards(segment.tensor, layout, state, self.rank == 0)
+        dist.barrier()  # rank 0 returns once every rank has written: receivers may read
+        if self.rank != 0:
+            return None
+        return {self.report_device_id(): {"kind": "shm", "layout": layout, "name": segment.name}}
+
+    def _stream_state(self) -> tuple[dict[str, torch.Tensor], Any]:
+        """The (resharded) state dict and its full-tensor stream layout, cached by shapes."""
+        from phalanx.llm.refit_stream import stream_layout
+
+        state = self._refit_state()
+        key = tuple((k, tuple(v.shape), v.dtype) for k, v in state.items())
+        if self._refit_layout is None or self._refit_layout[0] != key:
+            self._refit_layout = (key, stream_layout(state, self.dtype))
+        return state, self._refit_layout[1]
+
+    def shm_refit_layout(self) -> Any:
+        """The stream layout for ``write_weights_to_shm``, or None where the ranks cannot
+        write one same-node buffer (weights on GPU, or ranks on several nodes).
+
+        Every rank must call it (the first call asks the ranks for their hosts).
+        """
+        if self.device.type == "cuda" or not self._policy_on_one_node():
+            return None
+        return self._stream_state()[1]
+
+    def write_weights_to_shm(self, path: str, live: Iterable[str] = ()) -> Any:
+        """Every rank copies its own rows of every parameter into the shared buffer ``path``
+        (a same-node segment another process made, e.g. a ``WeightSender``'s
+        ``reserve_shared_buffer``): no gather, no collective beyond a final barrier.
+
+        Mappings are kept for the next call; those of buffers neither ``path`` nor in
+        ``live`` (retired by their owner) are dropped. Every rank must call it; rank 0
+        returns the stream layout once every rank has written, the others None.
+        """
+        from phalanx.llm.refit_stream import write_shards
+        from phalanx.weights import ShmSegment
+
+        state, layout = self._stream_state()
+        keep = {os.path.basename(p) for p in (path, *live)}
+        maps = {k: v for k, v in self._refit_maps.items() if k in keep}
+        name = os.path.basename(path)
+        seg = maps.get(name)
+        if seg is None:
+            seg = maps[name] = ShmSegment(0, name=path, create=False)
+        self._refit_maps = maps
+        if seg.size < layout.total_bytes:
+            raise ValueError(
+                f"write_weights_to_shm: buffer {path!r} holds {seg.size} bytes, the weights "
+                f"need {layout.total_bytes}"
+            )
+        write_shards(seg.tensor, layout, state, self.rank == 0)
+        dist.barrier()  # rank 0 returns once every rank has written: receivers may read
+        return layout if self.rank == 0 else None
+
+    def _policy_on_one_node(self) -> bool:
+        if self._one_node is None:
+            hosts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(hosts, socket.gethostname())
+            self._one_node = len(set(hosts)) == 1
+        return self._one_node
+
+    def _shared_segment(self, nbytes: int) -> Any:
+        """The refit segment every policy rank maps (rank 0 creates it, once per size)."""
+        from phalanx.weights import ShmSegment
+
+        seg = self._refit_segment
+        if seg is not None and seg.size >= nbytes:
+            return seg  # every rank decides alike: all saw the same sizes
+        name: list[Any] = [None]
+        if self.rank == 0:
+            if seg is not None:
+                seg.unlink()
+            seg = ShmSegment(nbytes)
+            name = [seg.name]
+        dist.broadcast_object_list(name, src=0)
+        if self.rank != 0:
+            seg = ShmSegment(nbytes, name=name[0], create=False)
+        self._refit_segment = seg
+        return seg
+
+    def prepare_info_for_collective(self) -> dict[str, Any]:
+        """The stream layout and bucket size a collective refit uses (every rank calls)."""
+        from phalanx.weights import gather
+
+        layout, _ = gather(self._full_refit_state(), dtype=self.dtype)
+        return {"layout": layout, "bucket_bytes": self._refit_bucket_bytes()}
+
+    def init_collective(self, ip: str, port: int, world_size: int) -> None:
+        """Create the refit process group as its rank 0 (on policy rank 0; receivers join
+        as ranks 1..world_size-1). Gloo on CPU, NCCL on GPU."""
+        if self.rank != 0:
+            return
+        from phalanx.comm.process_group import host_store
+        from phalanx.weights import new_process_group
+
+        store = host_store(ip, PG_TIMEOUT_S, port)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self._refit_store = store
+        self.model_update_group = new_process_group(
+            store, "refit", 0, world_size, backend, PG_TIMEOUT_S
+        )
+
+    def broadcast_weights_for_collective(self) -> None:
+        """Gather the full weights (all policy ranks) and broadcast them from rank 0."""
+        from phalanx.weights import broadcast_stream, gather
+
+        full = self._full_refit_state()
+        if self.rank != 0:
+            return
+        if self.model_update_group is None:
+            raise RuntimeError("broadcast_weights_for_collective: call init_collective first")
+        layout, sources = gather(full, dtype=self.dtype)
+        broadcast_stream(
+            self.model_update_group, layout, sources, self._refit_bucket_bytes(), self.device
+        )
