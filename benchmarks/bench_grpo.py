@@ -51,7 +51,7 @@ def _grpo_breakdown(steps: int, cluster) -> None:
 def _build(path: str, hidden: int, layers: int) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from phalanx.llm.tiny_task import build_tokenizer
+    from phalanx.algorithms.grpo_tiny_task import build_tokenizer
 
     tok = build_tokenizer()
     cfg = LlamaConfig(

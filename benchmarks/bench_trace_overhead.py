@@ -19,7 +19,7 @@ import timeit
 from _common import report
 
 import phalanx as px
-from phalanx._base import trace
+from phalanx.observe import trace
 
 
 class Stepper(px.Worker):

@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from phalanx._base.checks import check_int
+
 
 def evaluate(
     run_dir: str | Path, episodes: int = 10, *, seed: int = 12345, stochastic: bool = False
@@ -25,8 +27,7 @@ def evaluate(
     from phalanx.algorithms.ppo import PPOConfig, build_policy, load_checkpoint
     from phalanx.envs import DEFAULT_POLICY_ID, EnvRunner
 
-    if isinstance(episodes, bool) or not isinstance(episodes, int) or episodes < 1:
-        raise ValueError(f"episodes must be a positive int, got {episodes!r}")
+    check_int(episodes, "episodes", minimum=1)
     ckpt = load_checkpoint(run_dir)
     cfg = PPOConfig.from_dict(ckpt["config"])
     torch.manual_seed(seed)
@@ -68,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         out = evaluate(args.run_dir, args.episodes, seed=args.seed, stochastic=args.stochastic)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, TypeError) as e:
         print(f"phalanx eval: error: {e}", file=sys.stderr)
         return 1
     if args.json:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -24,31 +23,16 @@ from typing import Any
 
 from phalanx.observe.breakdown import read_breakdown
 from phalanx.observe.metrics import CONFIG_FILE, read_metrics
+from phalanx.observe.plots import (
+    CURVE_KEYS,
+    EVAL_KEY,
+    phase_keys,
+    plot_learning_curve,
+    plot_phase_times,
+    series,
+)
 
 TRACE_FILE = "trace.json"
-_CURVE_KEYS = ("return_mean", "reward_mean")
-_NOT_PHASES = ("time/step", "time/total")  # the whole step, and time since the run began
-
-
-def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
-    """(x, y) of ``key`` over the rows that have it; x is timesteps when logged, else step."""
-    use_ts = all("timesteps" in r for r in rows if r.get(key) is not None)
-    xs, ys = [], []
-    for r in rows:
-        v = r.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            xs.append(r["timesteps"] if use_ts else r["step"])
-            ys.append(float(v))
-    return xs, ys
-
-
-def _phase_keys(rows: list[dict[str, Any]]) -> list[str]:
-    keys: dict[str, None] = {}
-    for r in rows:
-        for k, v in r.items():
-            if k.startswith("time/") and k not in _NOT_PHASES and isinstance(v, (int, float)):
-                keys[k] = None
-    return list(keys)
 
 
 def _last(rows: list[dict[str, Any]], key: str) -> Any:
@@ -138,8 +122,8 @@ def summarize(run_dir: str | os.PathLike[str], trace_path: str | None = None) ->
     for key in ("timesteps", "episodes", "restarts", "weights_version"):
         if _last(rows, key) is not None:
             out[key] = _last(rows, key)
-    for key in _CURVE_KEYS:
-        _, ys = _series(rows, key)
+    for key in (*CURVE_KEYS, EVAL_KEY):
+        _, ys = series(rows, key)
         if ys:
             out[f"{key} first"] = ys[0]
             out[f"{key} last"] = ys[-1]
@@ -147,9 +131,9 @@ def summarize(run_dir: str | os.PathLike[str], trace_path: str | None = None) ->
     for key in sorted({k for r in rows for k in r if k.startswith("loss/")}):
         out[f"{key} last"] = _last(rows, key)
     for key in sorted({k for r in rows for k in r if k.startswith("throughput/")}):
-        out[f"{key} mean"] = _mean(_series(rows, key)[1])
-    for key in [*_phase_keys(rows), "time/step"]:
-        values = _series(rows, key)[1]
+        out[f"{key} mean"] = _mean(series(rows, key)[1])
+    for key in [*phase_keys(rows), "time/step"]:
+        values = series(rows, key)[1]
         if values:
             out[f"{key} mean s"] = _mean(values)
     breakdown = read_breakdown(run)
@@ -160,70 +144,11 @@ def summarize(run_dir: str | os.PathLike[str], trace_path: str | None = None) ->
             out[f"wall {phase}{overlapped} s"] = seconds
     trace_file = Path(trace_path) if trace_path else run / TRACE_FILE
     if trace_file.exists():
-        from phalanx._base.trace import load
+        from phalanx.observe.trace import load
 
         for label, u in utilisation(load(trace_file)).items():
             out[f"busy {label}"] = f"{100 * u['fraction']:.0f}%"
     return out
-
-
-def plot_learning_curve(rows: list[dict[str, Any]], path: Path) -> bool:
-    import matplotlib.pyplot as plt
-
-    key = next((k for k in _CURVE_KEYS if _series(rows, k)[1]), None)
-    if key is None:
-        return False
-    xs, ys = _series(rows, key)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(xs, ys, color="tab:blue", lw=1.8, label=key)
-    std_key = key.replace("_mean", "_std")
-    sx, sd = _series(rows, std_key)
-    if sd and sx == xs:
-        ax.fill_between(
-            xs, [y - s for y, s in zip(ys, sd)], [y + s for y, s in zip(ys, sd)], alpha=0.2
-        )
-    ax.set_xlabel("timesteps" if all("timesteps" in r for r in rows if key in r) else "step")
-    ax.set_ylabel(key.replace("_", " "))
-    ax.set_title("Learning curve")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-def plot_phase_times(rows: list[dict[str, Any]], path: Path) -> bool:
-    import matplotlib.pyplot as plt
-
-    keys = _phase_keys(rows)
-    if not keys:
-        return False
-    steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    bottom = [0.0] * len(rows)
-    width = 0.8 * (min(b - a for a, b in zip(steps, steps[1:])) if len(steps) > 1 else 1)
-    for key in keys:
-        vals = [float(r.get(key) or 0.0) for r in rows]
-        ax.bar(steps, vals, bottom=bottom, width=width, label=key.removeprefix("time/"))
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    xs, total = _series(rows, "time/step")
-    if total:
-        ax.plot(
-            [r["step"] for r in rows if r.get("time/step") is not None],
-            total,
-            "k.-",
-            lw=1,
-            label="step (total)",
-        )
-    ax.set_xlabel("step")
-    ax.set_ylabel("seconds")
-    ax.set_title("Time per phase per step")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-    ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
 
 
 def plot_utilisation(events: list[dict[str, Any]], path: Path, max_rows: int = 32) -> bool:
@@ -318,7 +243,7 @@ def write_report(
         written["phase_times"] = str(out / "phase_times.png")
     trace_file = Path(trace_path) if trace_path else run / TRACE_FILE
     if trace_file.exists():
-        from phalanx._base.trace import load
+        from phalanx.observe.trace import load
 
         if plot_utilisation(load(trace_file), out / "utilisation.png"):
             written["utilisation"] = str(out / "utilisation.png")

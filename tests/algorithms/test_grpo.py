@@ -15,14 +15,14 @@ import torch
 import phalanx as px
 from phalanx.algorithms.grpo import (
     GRPOConfig,
-    _generate,
     cli,
     derive_max_total_sequence_length,
     group_normalized_advantages,
     train,
 )
+from phalanx.algorithms.grpo_loss import OnPolicyPGLossFn
+from phalanx.algorithms.grpo_workers import generate as _generate
 from phalanx.llm.loss import ClippedPGLossConfig, ClippedPGLossFn, token_logprobs
-from phalanx.llm.onpolicy_loss import OnPolicyPGLossFn
 
 
 def test_group_normalized_advantages():
@@ -114,16 +114,17 @@ def test_config_errors_name_the_value(tmp_path):
         GRPOConfig(time_limit_s=0).validate()
     with pytest.raises(ValueError, match="top_p"):
         GRPOConfig(top_p=1.5).validate()
-    # Pretrained defaults: no warm-up, a small learning rate, 128-256 new tokens.
+    # Pretrained defaults: the measured configuration of bench_grpo_real.py (issue #30).
     d = GRPOConfig()
-    assert d.warmup_steps == 0 and 1e-6 <= d.lr <= 1e-5 and 128 <= d.max_new_tokens <= 256
+    assert (d.warmup_steps, d.lr, d.max_new_tokens, d.kl_beta) == (0, 1e-5, 64, 0.0)
+    assert (d.prompts_per_step, d.samples_per_prompt, d.eval_size, d.eval_every) == (8, 8, 100, 5)
     assert d.max_total_sequence_length is None  # derived from the task's prompts
 
 
 def test_cli_rejects_bad_input_before_starting_anything(tmp_path, capsys):
     assert cli(["--help"]) == 0
     assert "--max-new-tokens" in capsys.readouterr().out
-    assert cli(["--no-such-flag"]) == 1
+    assert cli(["--no-such-flag"]) == 2  # a usage error (issue #26: was 1)
     assert cli(["--samples-per-prompt", "1", "--run-dir", str(tmp_path)]) == 1
     assert "samples_per_prompt must be >= 2" in capsys.readouterr().err
     assert cli(["--resume", "--run-dir", str(tmp_path / "none")]) == 1
@@ -184,8 +185,8 @@ def test_generate_retries_once_after_a_worker_died(cluster, tmp_path):
     again once the group restarted it."""
     from transformers import AutoTokenizer
 
+    from phalanx.algorithms.grpo_tiny_task import AdditionTask, build_tiny_model, encode_prompts
     from phalanx.llm.generation import HFGenerationWorker
-    from phalanx.llm.tiny_task import AdditionTask, build_tiny_model, encode_prompts
 
     path = build_tiny_model(tmp_path / "model")
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -163,7 +163,7 @@ def test_cli_end_to_end(cluster, tmp_path, capsys):
     assert "env: unknown gymnasium env id" in capsys.readouterr().err
     assert main(["train", "ppo", "--minibatch-size", "100000", "--runs-dir", str(tmp_path)]) == 1
     assert "minibatch_size" in capsys.readouterr().err
-    assert main(["train", "ppo", "--bogus", "1", "--runs-dir", str(tmp_path)]) == 1
+    assert main(["train", "ppo", "--bogus", "1", "--runs-dir", str(tmp_path)]) == 2  # usage
     assert "--bogus" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
     assert main(["train", "ppo", "--help"]) == 0

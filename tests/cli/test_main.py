@@ -15,8 +15,8 @@ def test_train_ppo_flags_come_from_the_config_dataclass(capsys):
     assert "--env-runners INT, --num-env-runners INT" in out
     assert "annealing never goes below this fraction of learning_rate" in out
     assert "--lr FLOAT, --learning-rate FLOAT" in out
-    # an unknown flag: exit status 1, the flag named, nothing started
-    assert main(["train", "ppo", "--env-runnerz", "2"]) == 1
+    # an unknown flag: exit status 2 (a usage error), the flag named, nothing started
+    assert main(["train", "ppo", "--env-runnerz", "2"]) == 2
     assert "--env-runnerz" in capsys.readouterr().err
     # a bad value names the option before anything starts
     assert main(["train", "ppo", "--gamma", "1.5"]) == 1

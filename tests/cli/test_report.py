@@ -8,9 +8,9 @@ import time
 import pytest
 
 import phalanx as px
-from phalanx._base import trace
 from phalanx.cli import report
 from phalanx.cli.main import main
+from phalanx.observe import trace
 from phalanx.observe.metrics import MetricsLogger, read_metrics
 
 

@@ -1,0 +1,277 @@
+"""What ``phalanx train ppo`` and ``phalanx train grpo`` share around their algorithm.
+
+Flags come from the algorithm's config dataclass (tyro; a field's docstring is its help,
+``alias("--lr")`` adds a spelling); a ``--config`` YAML file sets any field (aliases work
+there too, an unknown key names itself) and flags win over it; ``--resume`` takes the
+defaults from the run's checkpoint. :func:`run_command` runs the algorithm and turns what
+happened into one exit status (:data:`EXIT_CODES`), one line on stderr, and a
+``status.json`` in the run folder; a run that fails before it writes anything leaves no
+folder behind. SIGINT and SIGTERM stop a run: the algorithm's ``finally`` blocks stop
+its workers, the run folder keeps its last checkpoint and metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import re
+import shutil
+import signal
+import sys
+import threading
+import typing
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import tyro
+
+C = TypeVar("C")
+
+DONE = 0
+BAD_INPUT = 1
+USAGE = 2
+BUDGET_SPENT = 3
+RUNTIME_FAILURE = 4
+SIGINT_EXIT = 128 + signal.SIGINT  # 130
+SIGTERM_EXIT = 128 + signal.SIGTERM  # 143
+
+EXIT_CODES: dict[int, str] = {
+    DONE: "done (the budget was used, or the stop criterion was reached)",
+    BAD_INPUT: "bad input: a config error or a missing file; nothing was started",
+    USAGE: "usage error: an unknown flag or a flag value of the wrong type",
+    BUDGET_SPENT: "the budget was spent before the stop criterion (--stop-return) was met",
+    RUNTIME_FAILURE: "runtime failure: Ray could not start, or a worker group failed",
+    SIGINT_EXIT: "interrupted by SIGINT (Ctrl-C)",
+    SIGTERM_EXIT: "terminated by SIGTERM",
+}
+STATUS_FILE = "status.json"
+TRACE_FILE = "trace.json"
+
+
+def exit_codes_help() -> str:
+    """The exit statuses, one per line, for a command's ``--help``."""
+    return "Exit status: " + "; ".join(f"{code} {text}" for code, text in EXIT_CODES.items())
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived; ``exit_code`` is 130 or 143."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.exit_code = 128 + signum
+
+
+# ------------------------------------------------------------------ flags and config files
+def alias(*spellings: str) -> Any:
+    """Extra command-line spellings of a config field (``--lr`` for ``--learning-rate``)."""
+    return tyro.conf.arg(aliases=spellings)
+
+
+def flag_names(config_cls: type, field: str) -> list[str]:
+    """The flags that set ``field`` of the dataclass ``config_cls`` (empty if not a field)."""
+    if field not in {f.name for f in dataclasses.fields(config_cls)}:
+        return []
+    flags = ["--" + field.replace("_", "-")]
+    hint = typing.get_type_hints(config_cls, include_extras=True).get(field)
+    for meta in getattr(hint, "__metadata__", ()):
+        flags.extend(a for a in (getattr(meta, "aliases", None) or ()) if a not in flags)
+    return flags
+
+
+def name_the_flag(message: str, config_cls: type) -> str:
+    """``message`` followed by the flags of the field it starts with, if it starts with one."""
+    match = re.match(r"[A-Za-z_][A-Za-z0-9_]*", message)
+    flags = flag_names(config_cls, match.group(0)) if match else []
+    return f"{message} (flag {'/'.join(flags)})" if flags else message
+
+
+def check_keys(
+    d: dict[str, Any], config_cls: type, source: str, *, aliases: bool = False
+) -> dict[str, Any]:
+    """``d``'s keys as field names (``-`` read as ``_``; flag aliases too when ``aliases``),
+    lists turned into tuples where the field is a tuple; ``ValueError`` naming the first
+    key the config lacks."""
+    label = config_cls.__name__.removesuffix("Config")
+    known = {f.name: f.name for f in dataclasses.fields(config_cls)}
+    if aliases:
+        for name in list(known):
+            for flag in flag_names(config_cls, name):
+                known.setdefault(flag.lstrip("-").replace("-", "_"), name)
+    hints = typing.get_type_hints(config_cls)
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        name = known.get(str(key).replace("-", "_"))
+        if name is None:
+            raise ValueError(
+                f"{source}: unknown {label} config key {key!r} "
+                f"(known: {sorted(f.name for f in dataclasses.fields(config_cls))})"
+            )
+        if isinstance(value, list) and typing.get_origin(hints[name]) is tuple:
+            value = tuple(value)
+        out[name] = value
+    return out
+
+
+def read_config_file(path: str, config_cls: type) -> dict[str, Any]:
+    """The fields a ``--config`` YAML file sets (``ValueError`` naming the file or key)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            loaded = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"--config: cannot read {path}: {e}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"--config: {path} must hold a mapping of {config_cls.__name__} fields")
+    return check_keys(loaded, config_cls, f"--config {path}", aliases=True)
+
+
+def preparse(argv: list[str], *flags: str) -> argparse.Namespace:
+    """The values of a few flags (``--resume`` is a switch) before the full parse, which
+    needs the defaults they decide; other flags are left for tyro."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    for flag in flags:
+        if flag == "--resume":
+            pre.add_argument(flag, action="store_true")
+        else:
+            underscored = "--" + flag[2:].replace("-", "_")
+            pre.add_argument(*dict.fromkeys((flag, underscored)), dest=flag[2:].replace("-", "_"))
+    return pre.parse_known_args(argv)[0]
+
+
+def parse_flags(cls: type[C], argv: list[str], default: C, prog: str, description: str) -> C:
+    """``tyro.cli`` of ``cls`` over ``default``; ``SystemExit(0)`` after ``--help``,
+    ``SystemExit(USAGE)`` for an unknown flag or an unparsable value (tyro says why)."""
+    try:
+        return tyro.cli(
+            cls,
+            args=argv,
+            default=default,
+            prog=prog,
+            description=f"{description}\n\n{exit_codes_help()}",
+            config=(tyro.conf.OmitArgPrefixes,),
+        )
+    except SystemExit as e:
+        raise SystemExit(DONE if e.code in (0, None) else USAGE) from None
+
+
+def fresh_run_name(prefix: str, runs_dir: str | Path) -> str:
+    """``prefix``, or ``prefix-2``, ``prefix-3``...: the first whose folder is absent or
+    empty, so a new run never writes into an earlier one."""
+    name, i = prefix, 1
+    while (Path(runs_dir) / name).is_dir() and any((Path(runs_dir) / name).iterdir()):
+        i += 1
+        name = f"{prefix}-{i}"
+    return name
+
+
+# ------------------------------------------------------------------ running a command
+@contextlib.contextmanager
+def tracing(enabled: bool, run_dir: Path) -> Iterator[None]:
+    """Trace group calls into ``run_dir/trace.json`` (Perfetto) when ``enabled``; the file
+    is kept, and announced, only when something was recorded."""
+    if not enabled:
+        yield
+        return
+    from phalanx.observe import trace
+
+    path = Path(trace.enable(run_dir / TRACE_FILE))
+    try:
+        yield
+    finally:
+        trace.dump(path)
+        trace.disable()
+        if any(e.get("ph") != "M" for e in trace.load(path)):
+            print(f"trace written to {path} (open it in https://ui.perfetto.dev)")
+        else:
+            path.unlink()
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGINT and SIGTERM raise :class:`Interrupted` in the main thread (phalanx's Ray
+    start keeps these handlers; a Ray started elsewhere by plain ``ray.init`` installs its
+    own SIGTERM handler, which raises ``SystemExit(15)``: handled as SIGTERM too)."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Interrupted(signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def bad_input(prog: str, error: BaseException, config_cls: type) -> int:
+    """Print ``error`` (with the flag that sets the value it names) and return BAD_INPUT."""
+    print(f"{prog}: error: {name_the_flag(str(error), config_cls)}", file=sys.stderr)
+    return BAD_INPUT
+
+
+def _runtime_failures() -> tuple[type[BaseException], ...]:
+    import ray.exceptions
+
+    from phalanx._base.errors import GroupTimeoutError, WorkerError
+    from phalanx.resources.ray_start import RayStartError
+
+    return (RayStartError, WorkerError, GroupTimeoutError, ray.exceptions.RayError)
+
+
+def run_command(prog: str, config_cls: type, run_dir: Path, body: Callable[[], int]) -> int:
+    """Run ``body`` (the algorithm; it returns DONE or BUDGET_SPENT) and return the exit
+    status: bad input (ValueError, TypeError, a missing file) is 1 with the flag named,
+    a Ray or worker-group failure 4, SIGINT 130 and SIGTERM 143. A Ray this run started
+    is stopped after a failure. The run folder gets ``status.json``, unless the run wrote
+    nothing there: then a folder this run created is removed."""
+    import ray
+
+    existed, ray_was_up = run_dir.exists(), ray.is_initialized()
+    message = ""
+    try:
+        with _signals_interrupt():
+            code = body()
+    except Interrupted as e:
+        code, message = e.exit_code, f"interrupted by {e}"
+    except SystemExit as e:
+        if e.code != signal.SIGTERM:
+            raise
+        code, message = SIGTERM_EXIT, "interrupted by SIGTERM"
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        code, message = BAD_INPUT, name_the_flag(str(e), config_cls)
+    except _runtime_failures() as e:
+        code, message = RUNTIME_FAILURE, f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
+    if code != DONE and not ray_was_up:
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+    if message:
+        print(f"{prog}: {'error: ' if code < 128 else ''}{message}", file=sys.stderr, flush=True)
+    kept = _leave_run_folder(run_dir, existed, code, message)
+    if code >= 128:
+        print(f"{prog}: {kept}", file=sys.stderr, flush=True)
+    return code
+
+
+def _leave_run_folder(run_dir: Path, existed: bool, code: int, message: str) -> str:
+    """Write ``status.json``, or remove a folder this run made and left without results;
+    returns a line saying what the folder keeps."""
+    if not run_dir.is_dir():
+        return "nothing was written"
+    if code == BAD_INPUT and existed:  # refused before it started: not this run's folder
+        return f"{run_dir} was left as it was"
+    if not existed and not (run_dir / "metrics.jsonl").exists():
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return f"nothing was kept ({run_dir} removed: the run had not started)"
+    status = "done" if code in (DONE, BUDGET_SPENT) else "interrupted" if code >= 128 else "failed"
+    (run_dir / STATUS_FILE).write_text(
+        json.dumps({"status": status, "exit_code": code, "message": message}) + "\n"
+    )
+    kept = sorted(p.name for p in run_dir.iterdir() if p.name != STATUS_FILE)
+    return f"{run_dir} keeps {', '.join(kept)} (resume with --resume --name {run_dir.name})"

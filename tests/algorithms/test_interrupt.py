@@ -1,0 +1,97 @@
+"""SIGINT/SIGTERM stop a real PPO or GRPO run (a subprocess with its own Ray) within 10 s:
+exit 130/143, the run folder keeps its checkpoint and metrics, nothing left running, no
+/dev/shm segment of the run left."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers import until
+
+
+def _metrics_rows(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _run_and_interrupt(argv: list[str], run: Path, sig: int, started) -> tuple[int, float, str]:
+    """Start ``phalanx train`` with ``argv``, wait for ``started(rows)``, send ``sig``;
+    returns (exit status, seconds from the signal to exit, stderr), after checking that
+    none of its processes and none of their /dev/shm segments outlive it."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phalanx.cli", "train", *argv],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        assert until(lambda: started(_metrics_rows(run)) or proc.poll() is not None, 240), (
+            "the run reported no progress"
+        )
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        family = {proc.pid} | {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+        t_signal = time.monotonic()
+        proc.send_signal(sig)
+        code = proc.wait(timeout=60)
+        elapsed = time.monotonic() - t_signal
+        err = proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert until(lambda: not [p for p in family if psutil.pid_exists(p) and _alive(p)], 30), [
+        psutil.Process(p).cmdline() for p in family if psutil.pid_exists(p)
+    ]
+    left = [n for n in os.listdir("/dev/shm") if any(f"_{p}-" in n for p in family)]
+    assert left == [], left
+    return code, elapsed, err
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_ppo_run_stops_on_a_signal(tmp_path, sig, code):
+    argv = ["ppo", "--env-runners", "1", "--max-timesteps", "100000000", "--name", "r",
+            "--runs-dir", str(tmp_path), "--checkpoint-every", "1", "--no-progress"]  # fmt: skip
+    run = tmp_path / "r"
+    code_got, elapsed, err = _run_and_interrupt(argv, run, sig, lambda rows: len(rows) >= 2)
+    assert code_got == code, err[-3000:]
+    assert elapsed < 10, elapsed
+    assert f"interrupted by {signal.Signals(sig).name}" in err
+    assert f"{run} keeps " in err and "checkpoint.pt" in err
+    assert (run / "checkpoint.pt").exists() and len(_metrics_rows(run)) >= 2
+    status = json.loads((run / "status.json").read_text())
+    assert status["status"] == "interrupted" and status["exit_code"] == code
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_grpo_run_stops_on_ctrl_c(tmp_path):
+    argv = ["grpo", "--model", "tiny", "--name", "g", "--runs-dir", str(tmp_path),
+            "--steps", "1000", "--prompts-per-step", "2", "--samples-per-prompt", "2",
+            "--train-micro-batch-size", "2", "--warmup-steps", "0", "--eval-every", "0",
+            "--checkpoint-every", "1", "--num-policy-workers", "1", "--no-progress"]  # fmt: skip
+    run = tmp_path / "g"
+    code, elapsed, err = _run_and_interrupt(
+        argv, run, signal.SIGINT, lambda rows: any("reward_mean" in r for r in rows)
+    )
+    assert code == 130, err[-3000:]
+    assert elapsed < 10, elapsed
+    assert "interrupted by SIGINT" in err and f"{run} keeps " in err
+    assert (run / "checkpoints").is_dir() and (run / "status.json").exists()
