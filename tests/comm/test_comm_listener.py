@@ -226,7 +226,7 @@ def test_oversized_or_silent_frames_cost_no_memory(pair):
 
 _LOOPBACK_RUN = textwrap.dedent(
     """
-    import json, os, sys, time
+    import json, os, sys, threading, time
     import psutil, ray
     from ray.experimental import internal_kv
     import phalanx as px
@@ -260,7 +260,13 @@ _LOOPBACK_RUN = textwrap.dedent(
     print(json.dumps({"driver": me.info.ip, "worker": json.loads(raw)["ip"],
                       "listening": listening, "got": got, "item": got_item}), flush=True)
     ray.shutdown()
-    time.sleep(3)  # reader threads see their peers die after the shutdown
+    # poll (deadline 30 s) until the reader threads have seen their peers die after the
+    # shutdown: the moment a thread would touch the shut-down Ray
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(
+        t.name == "px-recv" for t in threading.enumerate()
+    ):
+        time.sleep(0.05)
     print("exiting", flush=True)
     """
 )
