@@ -22,6 +22,7 @@ from phalanx._base.checks import check_timeout
 from phalanx._base.errors import WorkerError
 from phalanx.envs.config import EnvContext, EnvRunnerGroupConfig
 from phalanx.envs.env_runner import EnvRunner
+from phalanx.group.dispatch import DispatchError
 from phalanx.group.group import WorkerGroup
 from phalanx.group.results import RemoteCallResults
 
@@ -164,7 +165,7 @@ class RunnerForeach:
         if local_worker is not None:
             local_env_runner = local_worker
         if return_obj_refs and local_env_runner and self._local is not None:
-            raise ValueError(
+            raise DispatchError(
                 "return_obj_refs: the local runner has no object refs; pass local_env_runner=False"
             )
         check_timeout(timeout_seconds, "timeout_seconds")
