@@ -16,9 +16,21 @@ Sweep behind the defaults (2-core CPU, fp32, as measured for issue 30): 16 promp
 lr 3e-6, 200-problem evaluation: 0 steps finished in 20 minutes (evaluation 461 s, one
 generation 188 s, one reference pass 214 s); 8 x 8 x 64 tokens, no KL, lr 1e-5,
 100-problem evaluation every 5 steps: 84 s a step, accuracy 8% -> 34% (7.7 min) -> 50%
-(13.6 min) -> 69% (18.9 min).
+(13.6 min) -> 69% (18.9 min). With dynamic batching (each micro-batch padded only to its
+own longest row; the training phase shrinks as answers get shorter, 65-78 s -> 43-51 s
+a step at the same steps), 2026-11-25, quiet machine: lr 1e-5 reached 34% (step 5, 8.5
+min), 50% (step 10, 14.2 min), 69% (step 15, 19.8 min), 71% (step 20), 74% (step 27,
+31.4 min); lr 2e-5 (the default since) 43% (step 5, 8.0 min), 66% (step 10, 12.8 min),
+72% (step 15, 17.7 min), 70% (step 19, 20.8 min).
+
+``--lora-rank R --lr X`` runs the same command with LoRA adapters instead (issue 27's
+curve; LoRA wants a larger learning rate than full fine-tuning). Without LoRA the run ends
+with the training phase's FLOP rate (6 x parameters x unpadded tokens / training time) as a
+fraction of a plain fp32 matrix product measured in the same process.
 
     python benchmarks/bench_grpo_real.py --minutes 20 --run-dir runs/grpo_real
+    python benchmarks/bench_grpo_real.py --minutes 30 --lora-rank 32 --lr 1e-4 \
+        --run-dir runs/grpo_lora --curve docs/grpo_lora.png
 """
 
 from __future__ import annotations
@@ -40,7 +52,14 @@ def main() -> int:
         "--steps", type=int, default=1000, help="step cap (the budget usually ends first)"
     )
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument(
+        "--lora-rank", type=int, default=0, help="issue 27's LoRA curve: adapters of this rank"
+    )
+    ap.add_argument("--lora-alpha", type=float, default=32.0)
+    ap.add_argument("--lr", type=float, default=None, help="(LoRA curve) the learning rate")
     args = ap.parse_args()
+    if args.lr is not None and not args.lora_rank:
+        ap.error("--lr is for the LoRA curve only: the README command's curve keeps its lr")
 
     from phalanx.algorithms.grpo import GRPOConfig, train
     from phalanx.llm.models import fetch_model
@@ -57,6 +76,9 @@ def main() -> int:
         checkpoint_every=10,
         resume=args.resume,
         progress=True,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
+        **({"lr": args.lr} if args.lr is not None else {}),
     )
     result = train(cfg)
     hist = result["history"]
@@ -84,6 +106,33 @@ def main() -> int:
         "peak_memory_gb": mem,
         "config": {k: getattr(cfg, k) for k in vars(args) if hasattr(cfg, k)},
     }
+    if evals and hist:
+        at = {h["step"]: h["elapsed_s"] for h in hist}
+        summary["eval_minutes"] = [(s, round(at.get(s, 0.0) / 60, 2), a) for s, a in evals]
+        summary["eval_share_of_wall"] = (
+            sum(h.get("time/eval", 0.0) for h in hist) / result["wall_s"]
+        )
+    if hist and not args.lora_rank:
+        # the training phase's FLOP rate against a plain fp32 matrix product, same threads
+        import torch
+        from bench_precision import mm_rate
+        from transformers import AutoModelForCausalLM
+
+        from phalanx.llm.models import cache_root
+
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.join(cache_root(), "smollm2-135m-instruct")
+        )
+        params = sum(p.numel() for p in model.parameters())
+        rates = [6 * params * h["train/tokens"] / h["time/training"] for h in hist]
+        mm = mm_rate(2048, torch.float32, repeats=5)
+        summary["train_flop_rate_gflops"] = statistics.median(rates) / 1e9
+        summary["fp32_matmul_gflops"] = mm / 1e9
+        print(
+            f"RATIO training phase FLOP rate / fp32 matmul rate: "
+            f"{statistics.median(rates) / mm:.2f} (goal >= 0.70; 6 x {params / 1e6:.1f}M "
+            f"params x unpadded tokens / training time, median over steps)"
+        )
     if result["curve"]:
         os.makedirs(os.path.dirname(args.curve) or ".", exist_ok=True)
         shutil.copy(result["curve"], args.curve)

@@ -211,6 +211,13 @@ def train(cfg: GRPOConfig, cluster: Any = None) -> dict[str, Any]:
         },
         "seed": cfg.seed,
     }
+    if cfg.dynamic_batching:
+        policy_cfg["dynamic_batching"] = {
+            "enabled": True,
+            "train_mb_tokens": cfg.train_micro_batch_size * max_seq,
+            "logprob_mb_tokens": cfg.logprob_micro_batch_size * max_seq,
+            "sequence_length_round": 16,
+        }
     if cfg.logprob_chunk_size:
         policy_cfg["logprob_chunk_size"] = cfg.logprob_chunk_size
     if cfg.lora_rank:
@@ -406,6 +413,9 @@ def train(cfg: GRPOConfig, cluster: Any = None) -> dict[str, Any]:
             if "time/generation" in row:
                 gen_tokens = int(traj["generation_lengths"].sum())
                 row["throughput/tokens_per_s"] = gen_tokens / max(row["time/generation"], 1e-9)
+            train_tokens = int(data["input_lengths"].sum())  # prompt + response, no padding
+            row["train/tokens"] = train_tokens
+            row["throughput/train_tokens_per_s"] = train_tokens / max(times["training"], 1e-9)
             out_of_time = (
                 cfg.time_limit_s is not None and time.perf_counter() - t_start >= cfg.time_limit_s
             )

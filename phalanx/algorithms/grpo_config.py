@@ -22,10 +22,11 @@ class GRPOConfig:
 
     The defaults are the configuration ``benchmarks/bench_grpo_real.py`` measures on a
     2-core CPU with SmolLM2-135M-Instruct and two-digit addition: 8 prompts x 8 samples, 64
-    new tokens, lr 1e-5, no KL penalty (no reference pass), a 100-problem held-out greedy
-    evaluation every 5 steps. Chosen from the sweep recorded in that benchmark's notes
-    (16 x 8 x 192 tokens with KL 0.01 and lr 3e-6 finished 0 steps in 20 minutes there;
-    the 8 x 8 x 64 setting reached 69% held-out accuracy at 18.9 min in fp32).
+    new tokens, lr 2e-5, no KL penalty (no reference pass), dynamic batching, a 100-problem
+    held-out greedy evaluation every 5 steps. Chosen from the sweep recorded in that
+    benchmark's notes (16 x 8 x 192 tokens with KL 0.01 and lr 3e-6 finished 0 steps in 20
+    minutes there; 8 x 8 x 64 tokens at lr 1e-5 reached 69% at 19.8 min, at lr 2e-5 72% at
+    17.7 min).
     """
 
     # --- model, task, reward
@@ -63,7 +64,7 @@ class GRPOConfig:
     top_p: float = 1.0
     """nucleus sampling of the training rollouts"""
     # --- optimisation
-    lr: float = 1e-5
+    lr: float = 2e-5
     """AdamW learning rate"""
     weight_decay: float = 0.0
     """AdamW weight decay"""
@@ -90,7 +91,12 @@ class GRPOConfig:
     train_global_batch_size: int | None = None
     """rows per optimizer step (None: the whole step's batch, one on-policy update)"""
     train_micro_batch_size: int = 8
-    """rows per forward/backward on one policy rank"""
+    """rows per forward/backward on one policy rank (with dynamic batching: the token
+    budget of a micro-batch is this many rows of max_total_sequence_length)"""
+    dynamic_batching: bool = True
+    """sort each step's rows by length and cut micro-batches by a token budget, each padded
+    only to its own longest row (NeMo-RL's policy.dynamic_batching); off: fixed
+    train_micro_batch_size rows padded to the step's longest row"""
     logprob_micro_batch_size: int = 8
     """rows per forward when computing reference log-probs"""
     logprob_chunk_size: int | None = None

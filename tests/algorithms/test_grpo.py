@@ -116,7 +116,7 @@ def test_config_errors_name_the_value(tmp_path):
         GRPOConfig(top_p=1.5).validate()
     # Pretrained defaults: the measured configuration of bench_grpo_real.py (issue #30).
     d = GRPOConfig()
-    assert (d.warmup_steps, d.lr, d.max_new_tokens, d.kl_beta) == (0, 1e-5, 64, 0.0)
+    assert (d.warmup_steps, d.lr, d.max_new_tokens, d.kl_beta) == (0, 2e-5, 64, 0.0)
     assert (d.prompts_per_step, d.samples_per_prompt, d.eval_size, d.eval_every) == (8, 8, 100, 5)
     assert d.max_total_sequence_length is None  # derived from the task's prompts
 

@@ -40,3 +40,48 @@ def test_lora_flags_map_onto_nemo_rl_lora_cfg():
 def test_bad_lora_flags_exit_bad_input(argv, message, capsys):
     assert cli(argv) == harness.BAD_INPUT
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_lora_run_through_the_cli_checkpoints_adapters_and_resumes(cluster, tmp_path):
+    """``phalanx train grpo --lora-rank 4``: two steps, a checkpoint holding peft's adapter
+    files (``PeftModel.from_pretrained`` loads them onto the base model), then ``--resume``
+    continues the LoRA run from them for one more step."""
+    import json
+    import os
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run_dir = str(tmp_path / "run")
+    argv = [
+        "--model", "tiny",
+        "--run-dir", run_dir,
+        "--steps", "2",
+        "--prompts-per-step", "2",
+        "--samples-per-prompt", "2",
+        "--train-micro-batch-size", "2",
+        "--warmup-steps", "0",
+        "--eval-every", "0",
+        "--checkpoint-every", "2",
+        "--lora-rank", "4",
+        "--lora-alpha", "8",
+        "--no-progress",
+    ]  # fmt: skip
+    assert cli(argv) == 0
+    weights = os.path.join(run_dir, "checkpoints", "step_2", "weights")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(weights))
+    with open(os.path.join(weights, "adapter_config.json")) as f:
+        saved = json.load(f)
+    assert (saved["r"], saved["lora_alpha"]) == (4, 8.0)
+    base = AutoModelForCausalLM.from_pretrained(os.path.join(run_dir, "base_model"))
+    loaded = PeftModel.from_pretrained(base, weights)
+    a = {n: p for n, p in loaded.named_parameters() if "lora_A" in n}
+    assert a and all(p.shape[0] == 4 for p in a.values())  # rank-4 factors on every layer
+
+    assert cli(["--resume", "--run-dir", run_dir, "--steps", "3", "--no-progress"]) == 0
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(x) for x in f]
+    assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2, 3]
+    with open(os.path.join(run_dir, "config.json")) as f:
+        assert json.load(f)["lora_rank"] == 4  # the resumed run kept its adapters
