@@ -98,6 +98,15 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=20.0, help="wall-time budget per run")
     parser.add_argument("--tiny", action="store_true", help="the tiny model (a quick check)")
     parser.add_argument("--png", default="grpo_async.png")
+    parser.add_argument(
+        "--placements",
+        nargs="+",
+        default=["shared", "disaggregated"],
+        choices=["shared", "disaggregated"],
+        help="which pairs of runs",
+    )
+    parser.add_argument("--no-four", action="store_true",
+                        help="skip the tiny 4-generation-worker run")  # fmt: skip
     args = parser.parse_args()
 
     import phalanx as px
@@ -106,7 +115,7 @@ def main() -> None:
     cluster = px.Cluster(num_cpus=max(8, os.cpu_count() or 1))
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as d:
-        for mode, placement in RUNS:
+        for mode, placement in [r for r in RUNS if r[1] in args.placements]:
             name = f"{mode} {placement}"
             out = train(_config(args, mode, placement, os.path.join(d, name.replace(" ", "_"))),
                         cluster)  # fmt: skip
@@ -117,12 +126,16 @@ def main() -> None:
                 f"{name:<22} " + ", ".join(f"{k} {v:.3g}" for k, v in summary.items()), flush=True
             )
         for placement, goal in (("disaggregated", ">= 1.4"), ("shared", ">= 0.95")):
+            if placement not in args.placements:
+                continue
             a = results[f"async {placement}"]["summary"]["steps_per_hour"]
             s = results[f"sync {placement}"]["summary"]["steps_per_hour"]
             print(f"RATIO async/sync steps per hour, {placement}: {a / s:.2f}x (goal {goal})")
         _plot(results, args.png)
         print(f"curves: {args.png}")
 
+        if args.no_four:
+            return
         # The scheduling without the 2-core ceiling: 4 generation workers, tiny model.
         cfg = _config(argparse.Namespace(tiny=True, minutes=min(args.minutes, 2.0)), "async",
                       "shared", os.path.join(d, "four"), num_generation_workers=4)  # fmt: skip

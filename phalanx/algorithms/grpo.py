@@ -56,6 +56,7 @@ from phalanx.algorithms.grpo_workers import (
     set_worker_lr,
     thread_shares,
 )
+from phalanx.algorithms.phase_threads import PhaseThreads, follow_phase_threads
 from phalanx.algorithms.precision import resolve_precision
 
 # ----------------------------------------------------------------------------- helpers
@@ -253,6 +254,7 @@ def train(cfg: GRPOConfig, cluster: Any = None) -> dict[str, Any]:
     }
     generation = None
     rollouts: Any = None
+    phase: PhaseThreads | None = None
     refitter: Any = None
     metrics = MetricsLogger(cfg.run_dir, use_wandb=cfg.wandb)
     history: list[dict[str, Any]] = []
@@ -272,6 +274,12 @@ def train(cfg: GRPOConfig, cluster: Any = None) -> dict[str, Any]:
         pg = policy.worker_group
         place_group(pg, policy_threads, policy_cpus)
         place_group(generation, None, gen_cpus)  # its threads are in gen_cfg
+        if cfg.async_grpo and cfg.placement != "disaggregated" and not cfg.num_threads:
+            # every core for the policy while no generation batch runs (phase_threads)
+            idle = max(1, len(os.sched_getaffinity(0)) // cfg.num_policy_workers)
+            phase = PhaseThreads(busy=policy_threads, idle=idle)
+            calls = [(r, (phase.path,), {}) for r in range(pg.world_size)]
+            pg.apply(follow_phase_threads, calls, label="follow_threads").wait(timeout=60)
         # Overlapping phases: the generators' memory is not a phase's (not measured).
         memory = PhaseMemory(
             {"policy": pg} if cfg.async_grpo else {"policy": pg, "generation": generation}
@@ -345,6 +353,7 @@ def train(cfg: GRPOConfig, cluster: Any = None) -> dict[str, Any]:
                 max_trajectory_age_steps=cfg.max_trajectory_age_steps,
                 max_generation_failures=cfg.max_generation_failures,
                 start_version=start_step, timeout_s=cfg.generation_timeout_s,
+                on_generating=phase.generating if phase is not None else None,
             )  # fmt: skip
         else:
             rollouts = SyncRollouts(make_batch, refitter.refit, memory)
@@ -453,6 +462,8 @@ def train(cfg: GRPOConfig, cluster: Any = None) -> dict[str, Any]:
         policy.worker_group.shutdown(cleanup_method="shutdown", timeout=grace_s)
         if isinstance(rollouts, AsyncRollouts):
             rollouts.join(grace_s)
+        if phase is not None:
+            phase.close()
     from phalanx.observe.metrics import read_metrics
     from phalanx.observe.plots import plot_learning_curve
 

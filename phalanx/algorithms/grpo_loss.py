@@ -45,10 +45,11 @@ class OnPolicyPGLossFn(ClippedPGLossFn):
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
-        if "prev_logprobs" not in data:
-            with torch.no_grad():
-                lp = token_logprobs(next_token_logits, data["input_ids"])
-            prev = torch.nn.functional.pad(lp, (1, 0))  # position 0 predicts nothing
-            prev = behaviour_logprobs(prev, data)
-            data = {**data, "prev_logprobs": prev}
-        return super().__call__(next_token_logits, data, global_valid_seqs, global_valid_toks)
+        if "prev_logprobs" in data:
+            return super().__call__(next_token_logits, data, global_valid_seqs, global_valid_toks)
+        if "advantages" not in data:
+            raise KeyError("OnPolicyPGLossFn needs data['advantages']")
+        lp = token_logprobs(next_token_logits, data["input_ids"])  # one pass serves both
+        prev = torch.nn.functional.pad(lp.detach(), (1, 0))  # position 0 predicts nothing
+        data = {**data, "prev_logprobs": behaviour_logprobs(prev, data)}
+        return self.loss_from_logprobs(lp, next_token_logits, data, global_valid_toks)

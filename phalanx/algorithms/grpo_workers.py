@@ -129,7 +129,9 @@ def thread_shares(cfg: Any) -> tuple[int, int, list[int] | None, list[int] | Non
     """Torch threads of each policy and generation worker, and the CPUs each role is
     pinned to (None: not pinned). Phases that do not overlap (synchronous, shared) each
     take every core; overlapping ones (asynchronous) or pinned ones (disaggregated) get
-    half of them each, the policy the first half."""
+    half of them each, the policy the first half. Asynchronous and shared, the policy's
+    count is the one while a batch is generated: it takes every core while none is
+    (:mod:`phalanx.algorithms.phase_threads`)."""
     import os
 
     cpus = sorted(os.sched_getaffinity(0))

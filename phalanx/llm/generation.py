@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from phalanx._base.heap import reuse_freed_memory
 from phalanx.data import BatchedDataDict
 from phalanx.worker.worker import Worker
 
@@ -87,6 +88,8 @@ class HFGenerationWorker(Worker, GenerationInterface):
             raise ValueError("tokenizer has no pad token (pad_token_id is None)")
         self.tokenizer = tokenizer
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        if self.device.type == "cpu":  # each decoding step reallocates its KV cache's growth
+            reuse_freed_memory()
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
             self.cfg.get("precision", "float32")
         ]

@@ -8,6 +8,12 @@ losses are *sums* over the micro-batch's valid tokens divided by ``global_valid_
 that summing the micro-batch losses of every rank gives the mean over the global batch,
 whatever the sharding and micro-batching.
 
+A loss whose class sets ``masked_positions_only = True`` promises to read only the logits
+of positions whose next token is valid; the policy worker then computes no logits for the
+leading positions that no row trains on (a prompt's) and cuts every per-position tensor of
+the micro-batch the same way (``first_loss_position``, ``drop_leading_positions``). The
+losses here do; a loss without the attribute gets every position's logits, as in NeMo-RL.
+
 Data keys: ``input_ids`` [B, T]; ``token_mask`` [B, T] (1 where a token is trained on;
 without it every token counts, as in NeMo-RL); ``sample_mask`` [B] (0 drops a sample); the PG loss also reads ``advantages`` ([B] or
 [B, T]), ``prev_logprobs`` [B, T] and ``reference_policy_logprobs`` [B, T] (optional).
@@ -15,6 +21,7 @@ without it every token counts, as in NeMo-RL); ``sample_mask`` [B] (0 drops a sa
 
 from __future__ import annotations
 
+import copy
 import enum
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -68,14 +75,47 @@ def valid_token_mask(data: dict[str, Any]) -> torch.Tensor:
 
 
 def masked_entropy_sum(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sum over valid positions of the policy's entropy (a diagnostic, not differentiated)."""
-    return entropy_sum(logits[:, :-1], mask)
+    """Sum over valid positions of the policy's entropy (a diagnostic, not differentiated).
+
+    Only the positions with a nonzero mask are normalised (a prompt's are not).
+    """
+    keep = mask != 0
+    rows = logits[:, :-1][keep.to(logits.device)]  # [n, V]
+    return entropy_sum(rows.unsqueeze(0), mask[keep].unsqueeze(0))
+
+
+def first_loss_position(data: dict[str, Any]) -> int:
+    """The first position whose next-token logits a masked loss reads: the smallest ``t``
+    with a valid token ``t + 1`` in any row (0 without ``token_mask``, or with none valid).
+
+    Positions before it are context only; the policy worker computes no logits for them
+    when the loss says it reads masked positions only (``masked_positions_only``).
+    """
+    if "token_mask" not in data:
+        return 0
+    valid = valid_token_mask(data).sum(0).nonzero()
+    return int(valid[0]) if len(valid) else 0
+
+
+def drop_leading_positions(data: dict[str, Any], start: int) -> dict[str, Any]:
+    """``data`` with every per-position tensor ([B, T, ...] like ``input_ids``) cut to
+    positions ``start:``, so that logits of positions ``start:`` line up with it."""
+    if not start:
+        return data
+    T = data["input_ids"].shape[1]
+    out = copy.copy(data)  # the same mapping type (a BatchedDataDict stays one)
+    for k, v in data.items():
+        if isinstance(v, torch.Tensor) and v.ndim >= 2 and v.shape[1] == T:
+            out[k] = v[:, start:]
+    return out
 
 
 class NLLLoss:
     """Negative log-likelihood of the masked tokens (supervised fine-tuning)."""
 
     loss_type = LossType.TOKEN_LEVEL
+    # reads only the logits of positions whose next token is valid (first_loss_position)
+    masked_positions_only = True
 
     def __call__(
         self,
@@ -108,6 +148,7 @@ class ClippedPGLossFn:
     """
 
     loss_type = LossType.TOKEN_LEVEL
+    masked_positions_only = True
 
     def __init__(self, cfg: ClippedPGLossConfig | dict[str, Any] | None = None):
         if isinstance(cfg, dict):
@@ -129,8 +170,19 @@ class ClippedPGLossFn:
         for key in ("advantages", "prev_logprobs"):
             if key not in data:
                 raise KeyError(f"ClippedPGLossFn needs data[{key!r}]")
-        cfg = self.cfg
         lp = token_logprobs(next_token_logits, data["input_ids"])
+        return self.loss_from_logprobs(lp, next_token_logits, data, global_valid_toks)
+
+    def loss_from_logprobs(
+        self,
+        lp: torch.Tensor,
+        next_token_logits: torch.Tensor,
+        data: dict[str, Any],
+        global_valid_toks: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The loss and metrics from the policy's log-probs ``lp`` [B, T-1] of the tokens of
+        ``data["input_ids"]`` (``next_token_logits`` only feeds the entropy metric)."""
+        cfg = self.cfg
         mask = valid_token_mask(data)
         denom = global_valid_toks.clamp(min=1)
         adv = data["advantages"].float()

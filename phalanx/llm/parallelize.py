@@ -17,7 +17,9 @@ sequences, which keeps HF's masks and rotary positions unchanged).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Generator
 from typing import Any
 
 import torch
@@ -267,3 +269,39 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float | None) -> torch.
         for group in groups.values():
             torch._foreach_mul_([p.grad for p in group], coef)
     return total
+
+
+def create_context_parallel_ctx(
+    cp_mesh: Any,
+    cp_buffers: list[torch.Tensor],
+    cp_seq_dims: list[int],
+    cp_no_restore_buffers: set[torch.Tensor],
+    cp_rotate_method: str | None = None,
+) -> Any:
+    """torch's context-parallel context that shards ``cp_buffers`` along their seq dims."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    if cp_rotate_method is not None:
+        from torch.distributed.tensor.experimental._attention import set_rotate_method
+
+        set_rotate_method(cp_rotate_method)
+    return context_parallel(
+        cp_mesh,
+        buffers=cp_buffers,
+        buffer_seq_dims=cp_seq_dims,
+        no_restore_buffers=cp_no_restore_buffers,
+    )
+
+
+@contextlib.contextmanager
+def train_context(cp_context: Any | None = None) -> Generator[None, None, None]:
+    """Enter ``cp_context`` (with the SDPA kernels context parallelism supports)."""
+    with contextlib.ExitStack() as stack:
+        if cp_context is not None:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            stack.enter_context(
+                sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
+            )
+            stack.enter_context(cp_context)
+        yield

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from phalanx._base.heap import reuse_freed_memory
 from phalanx.data import BatchedDataDict
 from phalanx.llm.checkpoint import load_optimizer, load_sharded, save_optimizer, save_sharded
 from phalanx.llm.device_info import DeviceInfoMixin
@@ -44,7 +45,12 @@ from phalanx.llm.fsdp_state import (
 )
 from phalanx.llm.logprobs import chosen_token_logprobs
 from phalanx.llm.lora import load_adapters, save_adapters
-from phalanx.llm.loss import LossFunction, LossType
+from phalanx.llm.loss import (
+    LossFunction,
+    LossType,
+    drop_leading_positions,
+    first_loss_position,
+)
 from phalanx.llm.model_setup import build_model
 from phalanx.llm.offload import OffloadMixin, free_device_cache
 from phalanx.llm.optimizer import build_optimizer
@@ -52,6 +58,8 @@ from phalanx.llm.packed_rows import pack_rows, unpack_to_rows, unpack_token_logp
 from phalanx.llm.parallelize import (
     check_parallel_config,
     clip_grad_norm,
+    create_context_parallel_ctx,
+    train_context,
 )
 from phalanx.llm.policy_config import (
     PRECISIONS,
@@ -101,6 +109,8 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        else:  # every micro-batch reallocates its logits and activations
+            reuse_freed_memory()
         self._init_process_group()
         torch.manual_seed(int(self.cfg.get("seed", 42)))
 
@@ -163,6 +173,7 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
             self.load_checkpoint(weights_path, optimizer_path if init_optimizer else None)
         self._init_refit_state()
         self._init_device_info()
+        self._microbatch_hooks: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ setup
     def _init_process_group(self) -> None:
@@ -199,19 +210,30 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
                 f"{self.max_seq_len}"
             )
 
+    def _loss_start(self, mb: BatchedDataDict, loss_fn: LossFunction) -> int:
+        """How many leading positions need no logits: those before the first trained token
+        of every row, when the loss reads masked positions only (the prompt's logits are
+        then never computed; the sequence is whole on this rank)."""
+        whole = self.cp_size == 1 and not self.sequence_parallel
+        if not (whole and getattr(loss_fn, "masked_positions_only", False)):
+            return 0
+        return first_loss_position(mb)
+
     def _forward_logits(
         self,
         input_ids: torch.Tensor,
         stack: contextlib.ExitStack,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        start: int = 0,
     ) -> torch.Tensor:
         """Logits [B, T, V] of right-padded ``input_ids`` (divided by the generation
         temperature when the config has one, as NeMo-RL does).
 
         Contexts the backward pass must also run under (context parallelism) are entered
         into ``stack``, which the caller closes after its backward. ``position_ids`` and a
-        4-D boolean ``attention_mask`` are given for packed rows.
+        4-D boolean ``attention_mask`` are given for packed rows. With ``start`` > 0 only
+        positions ``start:`` get logits ([B, T - start, V]; the model still reads all).
         """
         if self.cp_size > 1:
             logits = self._forward_logits_cp(input_ids, stack)
@@ -227,6 +249,8 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
                 kwargs["position_ids"] = position_ids.to(self.device)
             if attention_mask is not None:
                 kwargs["attention_mask"] = attention_mask.to(self.device)
+            if start:
+                kwargs["logits_to_keep"] = T - start
             logits = self.model(input_ids=input_ids.to(self.device), use_cache=False, **kwargs)
             logits = logits.logits
             logits = logits[:, :T] if pad else logits
@@ -314,6 +338,11 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
             )
         return [data.slice(s, s + local_gbs) for s in range(0, data.size, local_gbs)]
 
+    def add_microbatch_hook(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` before every training micro-batch (e.g. to follow a thread
+        share that changes while a ``train`` call runs)."""
+        self._microbatch_hooks.append(hook)
+
     def _clear_cache_step(self, i: int) -> None:
         n = (self.cfg.get("dtensor_cfg") or {}).get("clear_cache_every_n_steps")
         if n and i % n == 0:
@@ -383,6 +412,8 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
             gb_loss = torch.zeros((), device=self.device)
             for i in range(n_mb):
                 self._clear_cache_step(i)
+                for hook in self._microbatch_hooks:
+                    hook()
                 if hasattr(self.model, "set_requires_gradient_sync"):
                     self.model.set_requires_gradient_sync(i == n_mb - 1 or not defer_sync)
                 with torch.set_grad_enabled(not eval_mode), contextlib.ExitStack() as stack:
@@ -396,7 +427,10 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
                             T = mb["input_ids"].shape[1]
                             logits = unpack_to_rows(packed_logits, packed, T).float()
                         else:
-                            logits = self._forward_logits(mb["input_ids"], stack).float()
+                            start = self._loss_start(mb, loss_fn)
+                            logits = self._forward_logits(mb["input_ids"], stack, start=start)
+                            logits = logits.float()
+                            mb = drop_leading_positions(mb, start)
                         loss, metrics = loss_fn(logits, mb, global_seqs, global_toks)
                     if not eval_mode:
                         # FSDP averages gradients over dp ranks; the loss is already a
@@ -619,41 +653,8 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
             load_optimizer(self.model, self.optimizer, self.scheduler, optimizer_path)
 
     # ------------------------------------------------------------------ the rest of the seed
-    @staticmethod
-    def create_context_parallel_ctx(
-        cp_mesh: Any,
-        cp_buffers: list[torch.Tensor],
-        cp_seq_dims: list[int],
-        cp_no_restore_buffers: set[torch.Tensor],
-        cp_rotate_method: str | None = None,
-    ) -> Any:
-        """torch's context-parallel context that shards ``cp_buffers`` along their seq dims."""
-        from torch.distributed.tensor.experimental import context_parallel
-
-        if cp_rotate_method is not None:
-            from torch.distributed.tensor.experimental._attention import set_rotate_method
-
-            set_rotate_method(cp_rotate_method)
-        return context_parallel(
-            cp_mesh,
-            buffers=cp_buffers,
-            buffer_seq_dims=cp_seq_dims,
-            no_restore_buffers=cp_no_restore_buffers,
-        )
-
-    @staticmethod
-    @contextlib.contextmanager
-    def train_context(cp_context: Any | None = None) -> Generator[None, None, None]:
-        """Enter ``cp_context`` (with the SDPA kernels context parallelism supports)."""
-        with contextlib.ExitStack() as stack:
-            if cp_context is not None:
-                from torch.nn.attention import SDPBackend, sdpa_kernel
-
-                stack.enter_context(
-                    sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
-                )
-                stack.enter_context(cp_context)
-            yield
+    create_context_parallel_ctx = staticmethod(create_context_parallel_ctx)
+    train_context = staticmethod(train_context)
 
     def is_alive(self) -> bool:
         return True

@@ -18,6 +18,7 @@ from phalanx.algorithms.grpo import GRPOConfig, _defaults, cli, train
 from phalanx.algorithms.grpo_async import GenerationFailedError
 from phalanx.algorithms.grpo_config import expand_async_grpo
 from phalanx.algorithms.grpo_loss import OnPolicyPGLossFn, behaviour_logprobs
+from phalanx.algorithms.phase_threads import FollowThreads, PhaseThreads
 from phalanx.algorithms.trajectory_buffer import TrajectoryBuffer
 from phalanx.data import BatchedDataDict
 from phalanx.llm.loss import ClippedPGLossConfig, token_logprobs
@@ -236,3 +237,31 @@ def test_generation_worker_killed_mid_run_within_and_beyond_max_failures(cluster
     killer.join(5)
     assert killed
     assert until(lambda: not _our_actors(), 30), _our_actors()
+
+
+def test_policy_threads_follow_the_generation_phase():
+    """The policy's torch threads: its share while a batch is generated, every core while
+    none is; the file goes with close() and the worker keeps its count then."""
+    before = set(os.listdir("/dev/shm"))
+    start = torch.get_num_threads()
+    phase = PhaseThreads(busy=1, idle=2)
+    follow = FollowThreads(phase.path)
+    try:
+        assert os.path.basename(phase.path) in set(os.listdir("/dev/shm")) - before
+        follow()
+        assert torch.get_num_threads() == 1  # the collector starts with a batch
+        phase.generating(False)
+        follow()
+        assert torch.get_num_threads() == 2
+        phase.generating(True)
+        follow()
+        assert torch.get_num_threads() == 1
+        phase.close()
+        follow()
+        assert torch.get_num_threads() == 1
+        assert _leaked_segments(before) == []
+        with pytest.raises(ValueError, match="busy must be an int >= 1"):
+            PhaseThreads(busy=0, idle=2)
+    finally:
+        phase.close()
+        torch.set_num_threads(start)
