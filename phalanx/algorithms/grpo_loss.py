@@ -47,8 +47,6 @@ class OnPolicyPGLossFn(ClippedPGLossFn):
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         if "prev_logprobs" in data:
             return super().__call__(next_token_logits, data, global_valid_seqs, global_valid_toks)
-        if "advantages" not in data:
-            raise KeyError("OnPolicyPGLossFn needs data['advantages']")
         lp = token_logprobs(next_token_logits, data["input_ids"])  # one pass serves both
         prev = torch.nn.functional.pad(lp.detach(), (1, 0))  # position 0 predicts nothing
         data = {**data, "prev_logprobs": behaviour_logprobs(prev, data)}

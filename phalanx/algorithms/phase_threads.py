@@ -12,6 +12,7 @@ driver's machine (the shared placement on one node).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import tempfile
@@ -49,10 +50,9 @@ class PhaseThreads:
             os.close(fd)
 
     def close(self) -> None:
-        try:
+        """Remove the file (again: a no-op)."""
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 class FollowThreads:

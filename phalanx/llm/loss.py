@@ -167,11 +167,14 @@ class ClippedPGLossFn:
         global_valid_seqs: torch.Tensor,
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
-        for key in ("advantages", "prev_logprobs"):
-            if key not in data:
-                raise KeyError(f"ClippedPGLossFn needs data[{key!r}]")
+        self._check_keys(data)
         lp = token_logprobs(next_token_logits, data["input_ids"])
         return self.loss_from_logprobs(lp, next_token_logits, data, global_valid_toks)
+
+    def _check_keys(self, data: dict[str, Any]) -> None:
+        for key in ("advantages", "prev_logprobs"):
+            if key not in data:
+                raise KeyError(f"{type(self).__name__} needs data[{key!r}]")
 
     def loss_from_logprobs(
         self,
@@ -182,6 +185,7 @@ class ClippedPGLossFn:
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """The loss and metrics from the policy's log-probs ``lp`` [B, T-1] of the tokens of
         ``data["input_ids"]`` (``next_token_logits`` only feeds the entropy metric)."""
+        self._check_keys(data)
         cfg = self.cfg
         mask = valid_token_mask(data)
         denom = global_valid_toks.clamp(min=1)
