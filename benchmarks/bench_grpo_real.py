@@ -31,9 +31,10 @@ each micro-batch): same settings, 43% (step 5, 5.8 min), 66% (step 10, 9.0 min),
 ``--lora-rank R --lr X`` runs the same command with LoRA adapters instead (issue 27's
 curve; LoRA wants a larger learning rate than full fine-tuning). Without LoRA the run ends
 with the training phase's FLOP rate (6 x parameters x unpadded tokens / training time) as a
-fraction of a plain fp32 matrix product measured in the same process (the median of
-samples before and after the run: this machine's product rate drifts between about 76
-and 176 GFLOP/s from one minute to the next).
+fraction of a plain fp32 matrix product. This machine's product rate drifts between about
+76 and 176 GFLOP/s from one minute to the next, so the product is sampled on the policy
+worker itself right after every training phase (``train(on_training=...)``; about a second
+a step, outside ``time/step``), and each step is divided by the samples on either side.
 
     python benchmarks/bench_grpo_real.py --minutes 20 --run-dir runs/grpo_real
     python benchmarks/bench_grpo_real.py --minutes 30 --lora-rank 32 --lr 1e-4 \
@@ -50,16 +51,23 @@ import statistics
 import time
 
 
-def _mm_rates(n: int = 3) -> list[float]:
-    """``n`` samples of the 2048^2 fp32 product's FLOP/s, a second apart."""
-    import torch
-    from bench_precision import mm_rate
+def _product_rate(worker, n: int = 2048, repeats: int = 5) -> tuple[float, int]:
+    """(On the policy worker, between the run's steps) the median FLOP/s of an ``n`` x ``n``
+    fp32 ``torch.mm`` with the worker's own threads, and the model's parameter count."""
+    import statistics
+    import time
 
-    out = []
-    for _ in range(n):
-        out.append(mm_rate(2048, torch.float32, repeats=5))
-        time.sleep(1)
-    return out
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    seconds = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        seconds.append(time.perf_counter() - t)
+    params = sum(p.numel() for p in worker.model.parameters())
+    return 2 * n**3 / statistics.median(seconds), params
 
 
 def main() -> int:
@@ -83,6 +91,7 @@ def main() -> int:
     from phalanx.algorithms.grpo import GRPOConfig, train
     from phalanx.llm.models import fetch_model
 
+    load_at_start = os.getloadavg()[0]
     t0 = time.perf_counter()
     fetch_model("smollm2-135m-instruct")
     fetch_s = time.perf_counter() - t0
@@ -99,10 +108,16 @@ def main() -> int:
         lora_alpha=args.lora_alpha,
         **({"lr": args.lr} if args.lr is not None else {}),
     )
-    mm_samples: list[float] = []
-    if not args.lora_rank:  # the product's rate before and after: this CPU's speed drifts
-        mm_samples += _mm_rates()
-    result = train(cfg)
+    products: dict[int, float] = {}  # step -> the product's rate right after its training
+    params = 0
+
+    def sample_product(step: int, policy) -> None:
+        nonlocal params
+        group = policy.worker_group
+        rate, params = group.apply(_product_rate, [(0, (), {})], label="product").wait(60)[0]
+        products[step] = rate
+
+    result = train(cfg, on_training=None if args.lora_rank else sample_product)
     hist = result["history"]
     evals = result["eval_accuracy"]
     phases = ("generation", "logprobs", "training", "refit", "step")
@@ -117,6 +132,7 @@ def main() -> int:
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantised)",
         "task": "addition (two-digit), held-out split",
         "cores": os.cpu_count(),
+        "load_average_1min_at_start": load_at_start,
         "load_average_1min_at_end": os.getloadavg()[0],
         "accuracy_before": before,
         "accuracy_after": after,
@@ -134,28 +150,26 @@ def main() -> int:
         summary["eval_share_of_wall"] = (
             sum(h.get("time/eval", 0.0) for h in hist) / result["wall_s"]
         )
-    if hist and not args.lora_rank:
-        # the training phase's FLOP rate against a plain fp32 matrix product, same threads
-        from transformers import AutoModelForCausalLM
-
-        from phalanx.llm.models import cache_root
-
-        model = AutoModelForCausalLM.from_pretrained(
-            os.path.join(cache_root(), "smollm2-135m-instruct")
-        )
-        params = sum(p.numel() for p in model.parameters())
-        rates = [6 * params * h["train/tokens"] / h["time/training"] for h in hist]
-        time.sleep(10)  # the run's workers are still exiting
-        mm_samples += _mm_rates()
-        mm = statistics.median(mm_samples)
+    if hist and products:
+        # each step's rate against the product sampled on the policy worker just before
+        # its training phase (after the previous step's) and just after it
+        ratios, rates = [], []
+        for h in hist:
+            rate = 6 * params * h["train/tokens"] / h["time/training"]
+            around = [products[s] for s in (h["step"] - 1, h["step"]) if s in products]
+            ratios.append(rate / statistics.mean(around))
+            rates.append(rate)
+        mm = list(products.values())
         summary["train_flop_rate_gflops"] = statistics.median(rates) / 1e9
-        summary["fp32_matmul_gflops_samples"] = [round(x / 1e9, 1) for x in mm_samples]
+        summary["fp32_matmul_gflops_samples"] = [round(x / 1e9, 1) for x in mm]
+        summary["flop_ratio_per_step"] = [round(r, 3) for r in ratios]
         print(
-            f"RATIO training phase FLOP rate / fp32 matmul rate: "
-            f"{statistics.median(rates) / mm:.2f} (goal >= 0.70; 6 x {params / 1e6:.1f}M "
-            f"params x unpadded tokens / training time, median over steps; the product's "
-            f"rate is the median of {len(mm_samples)} samples before and after the run, "
-            f"{min(mm_samples) / 1e9:.0f}-{max(mm_samples) / 1e9:.0f} GFLOP/s)"
+            f"RATIO training phase FLOP rate / fp32 matmul rate: {statistics.median(ratios):.2f} "
+            f"(goal >= 0.70; per step 6 x {params / 1e6:.1f}M params x unpadded tokens / "
+            f"training time, against the product sampled on the policy worker right before and "
+            f"after that step's training, median over {len(ratios)} steps; per step "
+            f"{min(ratios):.2f}-{max(ratios):.2f}, product {min(mm) / 1e9:.0f}-"
+            f"{max(mm) / 1e9:.0f} GFLOP/s)"
         )
     if result["curve"]:
         os.makedirs(os.path.dirname(args.curve) or ".", exist_ok=True)

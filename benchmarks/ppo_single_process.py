@@ -5,33 +5,30 @@ The same hyperparameters (``PPOConfig.for_env``: TUNED plus overrides), network
 ``ppo_update``), observation normaliser and seeds as ``phalanx train ppo``; the envs are one
 ``gymnasium.vector.SyncVectorEnv`` of ``max(num_env_runners, 1) * num_envs_per_env_runner``
 envs stepped in this process, ``rollout_fragment_length`` steps per update, so a batch has
-the same size and layout as phalanx's. Prints the time to ``stop_return`` (start-up
-included: imports, env construction) and its wall-time breakdown; ``--vs-phalanx`` also
-runs ``phalanx.algorithms.ppo.train`` with the same config and prints the ratio (issue 25:
-<= 1.3x on the continuous task, <= 2x on CartPole).
+the same size and layout as phalanx's. Prints the time from process start to
+``stop_return`` (start-up included: interpreter, imports, env construction) and its
+wall-time breakdown, and a JSON summary as its last line. ``bench_ppo.py
+--vs-single-process`` runs it per seed beside ``phalanx train ppo`` and prints the ratio
+(issue 25: <= 1.3x on the continuous task, <= 2x on CartPole).
 
-    python benchmarks/ppo_single_process.py --env HalfCheetah-v5 [--seeds 1 2 3] [--vs-phalanx]
+    python benchmarks/ppo_single_process.py --env HalfCheetah-v5 --seed 1 [--stop-return R]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
+from collections import deque
+from typing import Any
 
-T_IMPORT = time.perf_counter()
+import gymnasium as gym
+import numpy as np
+import torch
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-from collections import deque  # noqa: E402
-from dataclasses import replace  # noqa: E402
-from typing import Any  # noqa: E402
-
-import gymnasium as gym  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-from phalanx.algorithms.ppo import PPOConfig, build_policy, flatten_batches, ppo_update  # noqa: E402
-from phalanx.envs.normalize import RunningMeanStd  # noqa: E402
+from phalanx.algorithms.ppo import PPOConfig, build_policy, flatten_batches, ppo_update
+from phalanx.envs.normalize import RunningMeanStd
+from phalanx.observe.breakdown import process_age_s
 
 
 def rollout(env, policy, obs, norm, cfg: PPOConfig, ep: dict[str, Any]) -> tuple[dict, Any]:
@@ -79,7 +76,7 @@ def _normalize(norm: RunningMeanStd | None, obs: np.ndarray, update: bool) -> np
 def train(cfg: PPOConfig) -> dict[str, Any]:
     """PPO in this process until ``stop_return`` or ``max_timesteps``; a summary dict."""
     t0 = time.perf_counter()
-    times = {"imports": t0 - T_IMPORT}
+    times = {"python start-up and imports": process_age_s()}
     torch.set_num_threads(cfg.torch_threads)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
@@ -113,7 +110,7 @@ def train(cfg: PPOConfig) -> dict[str, Any]:
             and len(recent) >= min(cfg.stop_window, cfg.stop_min_episodes)
             and np.mean(recent) >= cfg.stop_return
         ):
-            reached_at = time.perf_counter() - T_IMPORT
+            reached_at = process_age_s()
             break
         if cfg.anneal_lr:
             frac = max(1.0 - timesteps / cfg.max_timesteps, cfg.lr_floor)
@@ -126,7 +123,7 @@ def train(cfg: PPOConfig) -> dict[str, Any]:
         "timesteps": timesteps,
         "return_mean_recent": float(np.mean(recent)) if recent else float("nan"),
         "time_to_stop_return_s": reached_at,
-        "wall_time_s": time.perf_counter() - T_IMPORT,
+        "process_wall_s": process_age_s(),
         "breakdown": times,
     }
 
@@ -134,35 +131,18 @@ def train(cfg: PPOConfig) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--env", default="HalfCheetah-v5")
-    p.add_argument("--seeds", type=int, nargs="+", default=[1])
+    p.add_argument("--seed", type=int, default=1)
     p.add_argument("--max-timesteps", type=int, default=None)
     p.add_argument("--stop-return", type=float, default=None)
-    p.add_argument("--vs-phalanx", action="store_true", help="also run phalanx's PPO")
     args = p.parse_args()
     over = {k: v for k, v in (("max_timesteps", args.max_timesteps),
                               ("stop_return", args.stop_return)) if v is not None}  # fmt: skip
-    ours, theirs = [], []
-    for seed in args.seeds:
-        cfg = PPOConfig.for_env(args.env, seed=seed, **over)
-        out = train(cfg)
-        ours.append(out["time_to_stop_return_s"] or out["wall_time_s"])
-        parts = ", ".join(f"{k} {v:.1f}s" for k, v in out["breakdown"].items())
-        print(f"single process seed {seed}: {out['timesteps']} steps, return "
-              f"{out['return_mean_recent']:.1f}, to stop {out['time_to_stop_return_s']}, "
-              f"wall {out['wall_time_s']:.1f}s ({parts})")  # fmt: skip
-        if args.vs_phalanx:
-            from phalanx.algorithms.ppo import train as px_train
-
-            with tempfile.TemporaryDirectory() as d:
-                res = px_train(replace(cfg, runs_dir=d, name=f"s{seed}"), progress=False)
-            theirs.append(res["time_to_stop_return_s"] or res["wall_time_s"])
-            print(f"phalanx seed {seed}: {res['timesteps']} steps, return "
-                  f"{res['return_mean_recent']:.1f}, to stop {res['time_to_stop_return_s']}, "
-                  f"wall {res['wall_time_s']:.1f}s")  # fmt: skip
-    print(f"single process: median {statistics.median(ours):.1f}s over seeds {args.seeds}")
-    if theirs:
-        print(f"phalanx: median {statistics.median(theirs):.1f}s; ratio phalanx / single process "
-              f"{statistics.median(theirs) / statistics.median(ours):.2f}x")  # fmt: skip
+    out = train(PPOConfig.for_env(args.env, seed=args.seed, **over))
+    parts = ", ".join(f"{k} {v:.1f}s" for k, v in out["breakdown"].items())
+    print(f"single process seed {args.seed}: {out['timesteps']} steps, return "
+          f"{out['return_mean_recent']:.1f}, to stop {out['time_to_stop_return_s']}, "
+          f"wall {out['process_wall_s']:.1f}s ({parts})")  # fmt: skip
+    print(json.dumps(out), flush=True)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import json
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -142,8 +143,15 @@ def _max_prompt_tokens(tokenizer, task, system_prompt: str | None, seed: int) ->
     return max(len(build_prompt_ids(tokenizer, e.prompt, system_prompt)) for e in probe)
 
 
-def train(cfg: GRPOConfig, cluster: Any = None) -> dict[str, Any]:
-    """Run GRPO; returns the per-step metrics, the evaluations and the run directory."""
+def train(
+    cfg: GRPOConfig, cluster: Any = None, on_training: Callable[[int, Any], None] | None = None
+) -> dict[str, Any]:
+    """Run GRPO; returns the per-step metrics, the evaluations and the run directory.
+
+    ``on_training(step, policy)``, if given, runs right after each step's training phase,
+    before the refit (a benchmark measures the machine there, between the run's own steps;
+    its time is not in ``time/step``).
+    """
     from transformers import AutoConfig, AutoTokenizer
 
     import phalanx as px
@@ -396,6 +404,10 @@ def train(cfg: GRPOConfig, cluster: Any = None) -> dict[str, Any]:
                 out = policy.train(data, loss_fn)
             times["training"] = time.perf_counter() - t2
             mem["training"] = memory.peak()
+            if on_training is not None:
+                t_hook = time.perf_counter()
+                on_training(step, policy)
+                t0 += time.perf_counter() - t_hook
 
             # 8. refit the generators with the new weights (between generation batches)
             with bar.waiting("refit"):

@@ -312,6 +312,11 @@ def train(
             )
         with times.phase("waiting for learner init"):
             learner = learner_future.result()
+        import torch  # imported by the learner's thread by now
+
+        # The count is kept per thread (OpenMP, MKL): the learner was built on the start-up
+        # thread and trains on this one.
+        torch.set_num_threads(cfg.torch_threads)
         policy, optimizer = learner.policy, learner.optimizer
         obs_space, act_space = learner.spaces
         timesteps, iteration, episodes = learner.timesteps, learner.iteration, learner.episodes

@@ -201,7 +201,7 @@ TUNED: dict[str, dict[str, Any]] = {
     # CartPole-v1 (2 runners x 8 envs x 32 steps = 512 steps per update). Start: CleanRL's
     # ppo.py (4 epochs, clip 0.2, tanh 64x64, advantage normalisation) with lr 2.5e-3.
     # A sweep of steps to a 20-episode mean of 450 (seeds 1-3, 2026-11-23; the notes in
-    # benchmarks/bench_ppo_cartpole.py) found: value clipping off (returns of ~100 moved at
+    # benchmarks/bench_ppo.py) found: value clipping off (returns of ~100 moved at
     # most 0.2 per update held the critic back), gamma 0.98 and lambda 0.9 (RL Zoo's
     # CartPole horizon) and 6 epochs cut the median from ~52k to ~21k steps (seeds 1-5:
     # 21k, 19k, 35k, 30k, 20k); 8 epochs, lr 4e-3, 4 envs per runner or 16-step fragments

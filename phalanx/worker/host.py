@@ -81,6 +81,27 @@ def method_kinds(cls: type) -> dict[str, str]:
     return kinds
 
 
+_thread_state = threading.local()
+
+
+def adopt_torch_threads() -> None:
+    """Give the calling thread the process's torch thread count, once per thread.
+
+    Calls run on Ray's threads, not on the one ``__init__`` ran on, and torch applies
+    ``torch.set_num_threads`` to another thread (OpenMP and MKL keep the count per thread)
+    only when that thread first runs an op through its parallel loop. Small ops never do,
+    so MKL's matrix products and vector functions there used every core: two env runners
+    on 2 cores spent most of their time in OpenMP spin-waits (a HalfCheetah rollout took
+    1.5-16 s instead of 0.3-0.5 s).
+    """
+    if getattr(_thread_state, "torch_threads", False):
+        return
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(torch.get_num_threads())
+        _thread_state.torch_threads = True
+
+
 class WorkerHost:
     """Hosts the user's worker object inside a Ray actor process."""
 
@@ -144,6 +165,7 @@ class WorkerHost:
         method = _px_method__
         fn = self._resolve(method)
         self._current = (method, time.time())
+        adopt_torch_threads()
         t0 = _trace.call_begin() if _trace.ON else 0.0
         try:
             if self._kinds.get(method) == "asyncgen":
@@ -175,6 +197,7 @@ class WorkerHost:
     def _invoke(self, name: str, run: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
         """Run one call (awaiting it if it is a coroutine) with error wrapping and tracing."""
         self._current = (name, time.time())
+        adopt_torch_threads()
         t0 = _trace.call_begin() if _trace.ON else 0.0
         out = None
         try:

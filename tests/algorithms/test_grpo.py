@@ -163,15 +163,27 @@ def test_grpo_raises_reward_and_resumes(cluster, tmp_path):
     assert os.path.exists(os.path.join(run_dir, "checkpoints", "step_40", "state.json"))
 
     # Resume from step 40 for two more steps.
+    # on_training runs after each step's training, with the policy whose workers trained.
     cfg2 = GRPOConfig(**{**cfg.__dict__, "steps": 42, "resume": True})
-    result2 = train(cfg2, cluster)
+    seen = []
+
+    def on_training(step, policy):
+        calls = [(0, (), {})]
+        seen.append((step, policy.worker_group.apply(_optimizer_steps, calls).wait(60)[0]))
+
+    result2 = train(cfg2, cluster, on_training=on_training)
     hist2 = result2["history"]
     assert [h["step"] for h in hist2] == [41, 42]
+    assert [s for s, _ in seen] == [41, 42] and seen[1][1] == seen[0][1] + 1
     # The resumed policy is the trained one: same p_correct as where the first run ended.
     assert abs(dict(result2["p_correct"])[40] - evals[40]) < 1e-4
     # The resumed policy starts where the first run ended: its KL to the reference is
     # that of a trained policy, not of a fresh one.
     assert hist2[0]["kl"] > 0
+
+
+def _optimizer_steps(worker):
+    return max(int(st["step"]) for st in worker.optimizer.state.values())
 
 
 def _exit_after(worker, delay_s):
