@@ -239,8 +239,8 @@ TUNED: dict[str, dict[str, Any]] = {
     # return normaliser (CleanRL's NormalizeReward): rewards are scaled by 0.1 instead and
     # value clipping is off (as for Pendulum: clipping targets of tens by 0.2 per update
     # held the critic back). Stop: CleanRL's reported evaluation return of its HalfCheetah
-    # PPO agents at 1M steps is ~1.5-1.9k; 1500 over 10 episodes. Not swept here yet
-    # (benchmarks/ppo_single_process.py runs the same config without Ray for the sweep).
+    # PPO agents at 1M steps is ~1.5-1.9k; 1500 over 10 episodes. Not swept; seed 1 reached
+    # it at 360k steps in 5.3 min (2026-11-25, benchmarks/bench_ppo.py --env HalfCheetah-v5).
     "HalfCheetah-v5": {
         "num_envs_per_env_runner": 4,
         "rollout_fragment_length": 256,

@@ -128,6 +128,8 @@ def test_run_command_turns_signals_into_exit_codes(tmp_path, capsys, sig, code):
     run.mkdir()
     (run / "metrics.jsonl").write_text("{}\n")
     cleaned = []
+    # what was installed before (SIG_IGN for SIGINT when pytest runs as a background job)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def body() -> int:
         try:
@@ -143,7 +145,7 @@ def test_run_command_turns_signals_into_exit_codes(tmp_path, capsys, sig, code):
     assert f"p: {run} keeps metrics.jsonl (resume with --resume --name run)" in err
     status = json.loads((run / "status.json").read_text())
     assert status["status"] == "interrupted" and status["exit_code"] == code
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert {s: signal.getsignal(s) for s in before} == before  # restored
 
 
 def test_tracing_announces_only_a_written_trace(tmp_path, capsys):
