@@ -54,6 +54,6 @@ def model_path(flag: str | None, workdir: str) -> str:
         if not os.path.exists(os.path.join(path, "config.json")):
             raise SystemExit(f"--model / PHALANX_GPU_MODEL: {path!r} has no config.json")
         return path
-    from phalanx.llm.tiny_task import build_tiny_model
+    from phalanx.algorithms.grpo_tiny_task import build_tiny_model
 
     return build_tiny_model(os.path.join(workdir, "tiny_model"))

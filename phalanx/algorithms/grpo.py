@@ -58,7 +58,6 @@ from phalanx.algorithms.grpo_workers import (
     thread_shares,
 )
 from phalanx.algorithms.phase_threads import PhaseThreads, follow_phase_threads
-from phalanx.algorithms.precision import resolve_precision
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -207,7 +206,7 @@ def train(
         "train_micro_batch_size": cfg.train_micro_batch_size,
         "logprob_batch_size": cfg.logprob_micro_batch_size,
         "max_total_sequence_length": max_seq,
-        "precision": resolve_precision(cfg.precision),
+        "precision": cfg.precisions()[0],
         "max_grad_norm": cfg.max_grad_norm,
         "optimizer": {
             "name": "torch.optim.AdamW",
@@ -257,7 +256,7 @@ def train(
         "temperature": cfg.temperature,
         "top_p": cfg.top_p,
         "seed": cfg.seed,
-        "precision": resolve_precision(cfg.generation_precision),
+        "precision": cfg.precisions()[1],
         "num_threads": gen_threads,
     }
     generation = None

@@ -108,7 +108,8 @@ class GRPOConfig:
     """compute dtype of the policy's forward/backward (FSDP2 mixed precision; auto: bfloat16
     on a CUDA GPU with bf16 or a CPU with AVX-512 BF16/AMX, else float32)"""
     generation_precision: Literal["auto", "float32", "bfloat16"] = "auto"
-    """dtype of the generation workers (auto: as for precision)"""
+    """dtype of the generation workers (auto: the policy's; a refit sends the policy's dtype,
+    so a forced value must resolve to the same)"""
     # --- supervised warm-up (the tiny model only needs it)
     warmup_steps: int = 0
     """supervised steps on the task's answers before GRPO; the result becomes the
@@ -197,7 +198,6 @@ class GRPOConfig:
             kl_beta=0.01,
             eval_every=10,
             num_policy_workers=2,
-            generation_precision="float32",
             policy_timeout_s=300.0,
             generation_timeout_s=300.0,
         )
@@ -217,6 +217,22 @@ class GRPOConfig:
             "use_triton": False,
         }
 
+    def precisions(self) -> tuple[str, str]:
+        """The policy's and the generation workers' resolved dtypes (one dtype: a refit
+        sends the policy's, and the generators hold it as is). ``ValueError`` naming the
+        option otherwise."""
+        policy = resolve_precision(self.precision, "precision")
+        generation = resolve_precision(self.generation_precision, "generation_precision")
+        if self.generation_precision == "auto":
+            return policy, policy
+        if generation != policy:
+            raise ValueError(
+                f"generation_precision={self.generation_precision} resolves to {generation} but "
+                f"precision={self.precision} to {policy}: a refit sends the policy's dtype, so "
+                "both must resolve to the same (leave generation_precision at auto)"
+            )
+        return policy, generation
+
     def validate(self) -> None:
         """``ValueError``/``TypeError`` naming the first bad option (before anything starts)."""
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens",
@@ -230,8 +246,7 @@ class GRPOConfig:
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), name, minimum=1)
         self._validate_async()
-        resolve_precision(self.precision, "precision")
-        resolve_precision(self.generation_precision, "generation_precision")
+        self.precisions()
         if self.name is not None and (not self.name or "/" in self.name):
             raise ValueError(f"name must be a non-empty str without '/', got {self.name!r}")
         if self.samples_per_prompt < 2:

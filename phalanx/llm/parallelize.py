@@ -293,6 +293,71 @@ def create_context_parallel_ctx(
     )
 
 
+CP_ATTENTION = "phalanx_cp_sdpa"
+
+
+def _cp_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF's SDPA attention, but with grouped-query heads repeated before the call when
+    there is no mask. Without a mask HF passes ``enable_gqa`` instead, and neither fused
+    kernel (the only ones ring attention runs on) takes q and kv of different head counts:
+    an fp32 GQA model under context parallelism found "No available kernel" on an H100."""
+    if attention_mask is not None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+            is_causal=is_causal, **kwargs,
+        )  # fmt: skip
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # as HF's repeat_kv: query head j reads kv head j // groups
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, dropout_p=dropout, scale=scaling, is_causal=causal and query.shape[2] > 1
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_cp_attention(model: torch.nn.Module) -> None:
+    """Give ``model`` the attention context parallelism can run (:func:`_cp_sdpa`, with
+    SDPA's masks); equal to ``"sdpa"`` everywhere else."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(CP_ATTENTION, _cp_sdpa)
+    AttentionMaskInterface.register(CP_ATTENTION, sdpa_mask)
+    model.set_attn_implementation(CP_ATTENTION)
+
+
+@contextlib.contextmanager
+def _restores_sdpa(cp_context: Any) -> Generator[None, None, None]:
+    """``cp_context``, with SDPA restored when the body raises: torch before 2.12 leaves its
+    ring-attention patch on ``F.scaled_dot_product_attention`` after an exception, and
+    every later forward in the process then fails (seen on an H100 with torch 2.11)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    try:
+        with cp_context:
+            yield
+    finally:
+        if torch.nn.functional.scaled_dot_product_attention is not sdpa:
+            from torch.distributed.tensor.experimental._context_parallel._attention import (
+                _disable_context_parallel_dispatcher_impl,
+            )
+
+            _disable_context_parallel_dispatcher_impl()
+
+
 @contextlib.contextmanager
 def train_context(cp_context: Any | None = None) -> Generator[None, None, None]:
     """Enter ``cp_context`` (with the SDPA kernels context parallelism supports)."""
@@ -303,5 +368,5 @@ def train_context(cp_context: Any | None = None) -> Generator[None, None, None]:
             stack.enter_context(
                 sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION])
             )
-            stack.enter_context(cp_context)
+            stack.enter_context(_restores_sdpa(cp_context))
         yield

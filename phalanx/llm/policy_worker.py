@@ -60,6 +60,7 @@ from phalanx.llm.parallelize import (
     clip_grad_norm,
     create_context_parallel_ctx,
     train_context,
+    use_cp_attention,
 )
 from phalanx.llm.policy_config import (
     PRECISIONS,
@@ -155,6 +156,8 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
         self.model, self.peft_model = build_model(
             self.cfg, self.device, self.dtype, self.tp_mesh, self._fsdp_mesh, self.sequence_parallel
         )
+        if self.cp_size > 1:
+            use_cp_attention(self.model)
         self.max_seq_len = int(
             self.cfg.get("max_total_sequence_length")
             or getattr(self.model.config, "max_position_embeddings", 1 << 30)

@@ -195,3 +195,17 @@ def test_ppo_budget_spent_exits_3_with_tensorboard_events(tmp_path, capsys):
     pytest.importorskip("tensorboard")
     events = list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert len(events) == 1 and events[0].stat().st_size > 100
+
+
+def test_generation_precision_follows_the_policys_and_a_mismatch_is_refused():
+    """A refit sends the policy's dtype and the generators hold it as is: on a GPU the tiny
+    config once gave a bf16 policy and fp32 generators, and the first refit failed."""
+    from phalanx.algorithms.grpo_config import GRPOConfig
+
+    assert GRPOConfig.tiny(precision="bfloat16").precisions() == ("bfloat16", "bfloat16")
+    assert GRPOConfig.tiny(precision="float32").precisions() == ("float32", "float32")
+    both = GRPOConfig.tiny(precision="bfloat16", generation_precision="bfloat16")
+    assert both.precisions() == ("bfloat16", "bfloat16")
+    bad = GRPOConfig.tiny(precision="bfloat16", generation_precision="float32")
+    with pytest.raises(ValueError, match="generation_precision=float32 resolves to float32 but"):
+        bad.validate()

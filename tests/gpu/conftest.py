@@ -24,7 +24,7 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """The tiny Llama of the LLM tests, saved once per session."""
-    from phalanx.llm.tiny_task import build_tiny_model
+    from phalanx.algorithms.grpo_tiny_task import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 

@@ -7,6 +7,7 @@ environment (e.g. ``CUDA_VISIBLE_DEVICES=""`` for the CPU reference worker).
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 from collections.abc import Callable
@@ -43,6 +44,20 @@ def queues(n: int) -> list[Any]:
     """``n`` spawn-context queues."""
     ctx = torch.multiprocessing.get_context("spawn")
     return [ctx.Queue() for _ in range(n)]
+
+
+def put_by_value(q: Any, obj: Any) -> None:
+    """Put ``obj`` on ``q`` as bytes (``torch.save``). A CPU tensor put as is travels as a
+    shared-memory fd that the parent can open only while the child is alive, and a child
+    that exits right after ``put`` makes the parent's ``get`` fail (FileNotFoundError)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    q.put(buf.getvalue())
+
+
+def get_by_value(q: Any, timeout: float) -> Any:
+    """What :func:`put_by_value` put on ``q``."""
+    return torch.load(io.BytesIO(q.get(timeout=timeout)), weights_only=False)
 
 
 def version_tensors(version: int) -> dict[str, torch.Tensor]:
@@ -91,7 +106,8 @@ def cpu_logprobs(out_q: Any, model_path: str, data: Any, port: int) -> None:
         policy_config(model_path), AutoTokenizer.from_pretrained(model_path)
     )
     try:
-        out_q.put(px.BatchedDataDict(logprobs=worker.get_logprobs(data)["logprobs"].clone()))
+        logprobs = worker.get_logprobs(data)["logprobs"]
+        put_by_value(out_q, px.BatchedDataDict(logprobs=logprobs))
     finally:
         worker.shutdown()
 
@@ -111,8 +127,9 @@ def generation_receiver(in_q: Any, out_q: Any, model_path: str, prompts: Any) ->
             return
         assert worker.update_weights_from_ipc_handles(handles) is True
         out = worker.generate(prompts, greedy=True)
-        out_q.put(
-            {"state": worker.get_state_dict(), "out": dict(out), "device": str(worker.device)}
+        put_by_value(
+            out_q,
+            {"state": worker.get_state_dict(), "out": dict(out), "device": str(worker.device)},
         )
 
 
@@ -148,9 +165,9 @@ def nccl_stream_rank(out_q: Any, rank: int, world: int, port: int, bucket_bytes:
     if rank == 0:
         broadcast_stream(pg, layout, sources, bucket_bytes, device)
         torch.cuda.synchronize()
-        out_q.put((rank, None))
+        put_by_value(out_q, (rank, None))
     else:
         flat = receive_stream(pg, layout, bucket_bytes, device)
         torch.cuda.synchronize()
-        out_q.put((rank, {k: v.cpu().clone() for k, v in views(flat, layout).items()}))
+        put_by_value(out_q, (rank, {k: v.cpu() for k, v in views(flat, layout).items()}))
     del store

@@ -23,6 +23,7 @@ def test_context_parallel_ctx_of_one_rank_equals_the_plain_forward(rank0_env, ti
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
+    from phalanx.llm.parallelize import use_cp_attention
     from phalanx.llm.policy_worker import DTensorPolicyWorker
 
     dist.init_process_group("nccl", rank=0, world_size=1)
@@ -36,6 +37,7 @@ def test_context_parallel_ctx_of_one_rank_equals_the_plain_forward(rank0_env, ti
         pos = torch.arange(18, device="cuda").expand(3, -1).contiguous()
         with torch.no_grad():
             plain = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+            use_cp_attention(model)  # as the policy worker does with context_parallel_size > 1
             ctx = DTensorPolicyWorker.create_context_parallel_ctx(
                 mesh, [ids, pos], [1, 1], {ids, pos}
             )
@@ -49,9 +51,8 @@ def test_context_parallel_ctx_of_one_rank_equals_the_plain_forward(rank0_env, ti
 @skip_unless(2)
 @pytest.mark.ray_cluster
 def test_context_parallel_two_ranks_equals_one(tiny_model, tiny_tokenizer):
-    from phalanx.llm.tiny_task import AdditionTask, sft_batch
-
     import phalanx as px
+    from phalanx.algorithms.grpo_tiny_task import AdditionTask, sft_batch
 
     data = sft_batch(tiny_tokenizer, AdditionTask(0).sample_prompts(8))
     cluster = px.Cluster(num_cpus=8, num_gpus=2)

@@ -11,10 +11,10 @@ pytestmark = [*needs_gpu(), pytest.mark.timeout(180)]
 
 
 def test_kv_cached_decoding_equals_hf_generate_greedy(tiny_model, tiny_tokenizer):
-    from phalanx.llm.tiny_task import AdditionTask, encode_prompts
     from transformers import AutoModelForCausalLM
 
     import phalanx as px
+    from phalanx.algorithms.grpo_tiny_task import AdditionTask, encode_prompts
 
     cfg = {"model_name": tiny_model, "max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0}
     worker = px.HFGenerationWorker(cfg, tiny_tokenizer)

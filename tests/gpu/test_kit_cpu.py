@@ -231,3 +231,42 @@ def test_gpu_tests_collect_without_ray_and_skip_without_cuda():
     total = sum(int(line.split("[")[1].split("]")[0]) for line in skipped)
     assert re.search(rf"\n{total} skipped, \d+ deselected in ", out), out
     assert total == 19  # every GPU test of the kit, parametrized cases counted
+
+
+def _phalanx_imports(path: str) -> list[tuple[str, str | None]]:
+    """``(module, name)`` for every phalanx import in ``path`` (name None: ``import m``)."""
+    import ast
+
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    found: list[tuple[str, str | None]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("phalanx"):
+            found += [(node.module, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            found += [(a.name, None) for a in node.names if a.name.startswith("phalanx")]
+    return found
+
+
+def test_every_phalanx_import_of_the_kit_resolves():
+    """The GPU tests import inside their bodies, after the CUDA skip: without this, a moved
+    module breaks them only on a GPU machine (it did once: ``phalanx.llm.tiny_task``)."""
+    import glob
+    import importlib
+
+    files = sorted(
+        glob.glob(os.path.join(ROOT, "tests", "gpu", "*.py"))
+        + glob.glob(os.path.join(ROOT, "benchmarks", "gpu", "*.py"))
+    )
+    checked, broken = 0, []
+    for path in files:
+        for module, name in _phalanx_imports(path):
+            checked += 1
+            try:
+                mod = importlib.import_module(module)
+                if name is not None and not hasattr(mod, name):
+                    importlib.import_module(f"{module}.{name}")
+            except ImportError as e:
+                broken.append(f"{os.path.relpath(path, ROOT)}: {module} {name}: {e}")
+    assert checked > 20
+    assert broken == []

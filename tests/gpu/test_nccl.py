@@ -55,7 +55,7 @@ def test_two_rank_nccl_stream_delivers_every_tensor(bucket_bytes):
         for r in range(2)
     ]
     try:
-        got = dict(q.get(timeout=150) for _ in ranks)
+        got = dict(procs.get_by_value(q, 150) for _ in ranks)
     finally:
         for p in ranks:
             p.join(30)

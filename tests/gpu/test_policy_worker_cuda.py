@@ -48,7 +48,7 @@ def cuda_worker(model_path, tokenizer, **over):
 
 
 def _data(tokenizer, n=8, seed=0):
-    from phalanx.llm.tiny_task import AdditionTask, sft_batch
+    from phalanx.algorithms.grpo_tiny_task import AdditionTask, sft_batch
 
     return sft_batch(tokenizer, AdditionTask(seed).sample_prompts(n))
 
@@ -60,7 +60,7 @@ def _cpu_worker_logprobs(model_path, data):
         procs.cpu_logprobs, q, model_path, data, procs.free_port(), env={"CUDA_VISIBLE_DEVICES": ""}
     )
     try:
-        return q.get(timeout=240)["logprobs"]
+        return procs.get_by_value(q, 240)["logprobs"]
     finally:
         proc.join(60)
 

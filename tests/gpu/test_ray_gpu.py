@@ -35,9 +35,8 @@ def _hf_logprobs(model_path, data):
 
 
 def test_policy_and_colocated_generator_on_one_gpu(gpu_cluster, tiny_model, tiny_tokenizer):
-    from phalanx.llm.tiny_task import AdditionTask, encode_prompts, sft_batch
-
     import phalanx as px
+    from phalanx.algorithms.grpo_tiny_task import AdditionTask, encode_prompts, sft_batch
     from phalanx.llm.loss import NLLLoss
     from phalanx.llm.refit import Refitter
 

@@ -15,9 +15,8 @@ pytestmark = [*needs_gpu(), pytest.mark.timeout(300)]
 
 
 def _prompts(tokenizer, n=6, seed=0):
-    from phalanx.llm.tiny_task import AdditionTask, encode_prompts
-
     import phalanx as px
+    from phalanx.algorithms.grpo_tiny_task import AdditionTask, encode_prompts
 
     ids, lengths = encode_prompts(tokenizer, [p for p, _ in AdditionTask(seed).sample_prompts(n)])
     return px.BatchedDataDict(input_ids=ids, input_lengths=lengths)
@@ -35,9 +34,8 @@ def _generated_logprobs_under_policy(worker, out):
 
 
 def test_generator_refitted_by_cuda_ipc_matches_the_policy(rank0_env, tiny_model, tiny_tokenizer):
-    from phalanx.llm.tiny_task import AdditionTask, sft_batch
-
     import phalanx as px
+    from phalanx.algorithms.grpo_tiny_task import AdditionTask, sft_batch
     from phalanx.llm.loss import NLLLoss
 
     prompts = _prompts(tiny_tokenizer)
@@ -56,7 +54,7 @@ def test_generator_refitted_by_cuda_ipc_matches_the_policy(rank0_env, tiny_model
             assert device_id == worker.report_device_id()
             assert handles[device_id]["kind"] == "cuda_ipc"
             in_q.put(handles)
-            got = out_q.get(timeout=240)
+            got = procs.get_by_value(out_q, 240)
             assert got["device"] == "cuda:0"
             full = worker.return_full_state_dict()
             assert set(got["state"]) == set(full)

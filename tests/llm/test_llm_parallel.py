@@ -169,7 +169,9 @@ def _cp_on_cpu(store_path):
                 torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
         except NotImplementedError as e:
             error = str(e)
-        return torch.equal(plain, expected), error
+        # the failed block left SDPA as it was: a plain call after it works
+        after = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return torch.equal(plain, expected) and torch.equal(after, expected), error
     finally:
         dist.destroy_process_group()
 
@@ -184,3 +186,29 @@ def test_train_context_and_context_parallel_ctx_on_cpu(cluster, tmp_path):
     # Inside a real context-parallel context, CPU attention has no sharded kernel: the
     # reason check_parallel_config refuses context_parallel_size > 1 without CUDA.
     assert error is not None and "sharding strategy" in error, error
+
+
+def test_cp_attention_equals_sdpa_with_and_without_a_mask(model_path):
+    """The attention context parallelism runs (grouped-query heads repeated before SDPA,
+    since its fused kernels need equal head counts) gives the logits of HF's "sdpa"."""
+    from transformers import AutoModelForCausalLM
+
+    from phalanx.llm.parallelize import CP_ATTENTION, use_cp_attention
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=torch.float32, attn_implementation="sdpa"
+        ).eval()
+
+    plain, cp = load(), load()
+    use_cp_attention(cp)
+    assert cp.config._attn_implementation == CP_ATTENTION
+    assert cp.config.num_attention_heads > cp.config.num_key_value_heads  # GQA is exercised
+    ids = torch.randint(4, 40, (3, 11), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding: HF builds a mask, which takes SDPA's own path
+    with torch.no_grad():
+        for kwargs in ({}, {"attention_mask": mask}):
+            want = plain(input_ids=ids, use_cache=False, **kwargs).logits
+            got = cp(input_ids=ids, use_cache=False, **kwargs).logits
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
