@@ -28,6 +28,10 @@ runners cost, and (CartPole) the RLlib figure is the anchor measured earlier her
     python benchmarks/bench_ppo.py --vs-rllib [--setup-rllib] [--seeds 1,2,3,4,5]
     python benchmarks/bench_ppo.py [--seeds 1,2,3,4,5] [--baseline-seeds 1,2,3]
     python benchmarks/bench_ppo.py --env HalfCheetah-v5 --vs-rllib --seeds 1
+    python benchmarks/bench_ppo.py --env HalfCheetah-v5 --vs-rllib --rllib-settings phalanx
+
+``--rllib-settings phalanx`` gives RLlib phalanx's hyperparameters instead of its own
+tuned example (``rllib_ppo.py`` says which): the same algorithm on both runtimes.
 
 Tuning notes (where ``TUNED["CartPole-v1"]`` in phalanx/algorithms/ppo.py comes from):
 env steps to a 20-episode mean of 450, 512 steps per update, one process, 2026-11-23.
@@ -178,10 +182,10 @@ def last_json(label: str, argv: list[str], timeout_s: float) -> tuple[bool, dict
     return rc == 0 and bool(summary), summary
 
 
-def run_rllib(task: Task, seed: int, venv: str) -> dict:
+def run_rllib(task: Task, seed: int, venv: str, settings: str = "rllib") -> dict:
     argv = [str(rllib_python(venv)), str(RLLIB_DRIVER), "--seed", str(seed), "--env", task.env,
             "--stop-return", str(task.stop_return), "--window", str(task.window),
-            "--max-timesteps", str(task.max_timesteps)]  # fmt: skip
+            "--max-timesteps", str(task.max_timesteps), "--settings", settings]  # fmt: skip
     ok, summary = last_json(f"RLlib seed {seed}", argv, task.timeout_s)
     return {
         "seed": seed,
@@ -288,6 +292,8 @@ def main() -> None:
                    help="run RLlib 2.60 PPO after each phalanx run and print the RATIO")  # fmt: skip
     p.add_argument("--vs-single-process", action="store_true",
                    help="run the CleanRL-style one-process PPO after each phalanx run")  # fmt: skip
+    p.add_argument("--rllib-settings", default="rllib", choices=("rllib", "phalanx"),
+                   help="RLlib's tuned example, or phalanx's hyperparameters (rllib_ppo.py)")  # fmt: skip
     p.add_argument("--rllib-venv", default=DEFAULT_RLLIB_VENV,
                    help="the RLlib environment (env var PHALANX_RLLIB_VENV)")  # fmt: skip
     p.add_argument("--setup-rllib", action="store_true",
@@ -309,7 +315,7 @@ def main() -> None:
         ours.append(run(task, seed, 2, extra))
         show("phalanx, 2 env runners", task, ours[-1])
         if args.vs_rllib:
-            rllib.append(run_rllib(task, seed, args.rllib_venv))
+            rllib.append(run_rllib(task, seed, args.rllib_venv, args.rllib_settings))
             show("RLlib 2.60, 2 env runners", task, rllib[-1])
         if args.vs_single_process:
             single.append(run_single(task, seed))

@@ -342,9 +342,9 @@ def use_cp_attention(model: torch.nn.Module) -> None:
 
 @contextlib.contextmanager
 def _restores_sdpa(cp_context: Any) -> Generator[None, None, None]:
-    """``cp_context``, with SDPA restored when the body raises: torch before 2.12 leaves its
-    ring-attention patch on ``F.scaled_dot_product_attention`` after an exception, and
-    every later forward in the process then fails (seen on an H100 with torch 2.11)."""
+    """``cp_context``, with SDPA restored when the body raises: torch 2.11's context leaves
+    its ring-attention patch on ``F.scaled_dot_product_attention`` after an exception
+    (2.13's restores it), and every later forward in the process then failed on an H100."""
     sdpa = torch.nn.functional.scaled_dot_product_attention
     try:
         with cp_context:
