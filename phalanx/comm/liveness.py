@@ -42,6 +42,8 @@ from phalanx.comm.peers import (
 
 logger = logging.getLogger(__name__)
 _KEPT_AFTER_SHUTDOWN: list[Any] = []  # refs held when Ray shut down: never freed
+# A monitor ping in flight: (actor id, ref, sent at, why the previous ping failed or None)
+_Ping = tuple[str, Any, float, CommError | None]
 
 
 class Liveness:
@@ -146,7 +148,7 @@ class Liveness:
 
     def monitor_loop(self) -> None:
         """Probe peers that pending operations wait on; fail those that died or restarted."""
-        inflight: dict[str, tuple[str, Any, float]] = {}
+        inflight: dict[str, _Ping] = {}
         while not self.closed:
             time.sleep(CONFIG.peer_check_interval_s)
             if not ray.is_initialized():
@@ -171,9 +173,7 @@ class Liveness:
                 if peer not in waiting:
                     del inflight[peer]
 
-    def _probe_step(
-        self, peer: str, inflight: dict[str, tuple[str, Any, float]], now: float
-    ) -> None:
+    def _probe_step(self, peer: str, inflight: dict[str, _Ping], now: float) -> None:
         """One monitor round for ``peer``: resolve the receive-time probe, compare incarnations."""
         box = self.inboxes.get(peer)
         probe = box.probe if box is not None else None
@@ -194,27 +194,40 @@ class Liveness:
                         box.bound = (aid, pid)
         entry = inflight.get(peer)
         if entry is None:
-            try:
-                aid, ref = ping(peer)
-            except PeerDiedError as err:
-                self.peer_dead(peer, err)
-                return
-            inflight[peer] = (aid, ref, now)
+            self._send_ping(peer, inflight, now, None)
             return
-        aid, ref, sent = entry
+        aid, ref, sent, died = entry
         ready, _ = ray.wait([ref], timeout=0)
         if not ready:
             if now - sent > CONFIG.peer_timeout_s:
                 del inflight[peer]
-                self.incarnation_gone(peer, (aid, None), no_answer(peer, CONFIG.peer_timeout_s))
+                err = died or no_answer(peer, CONFIG.peer_timeout_s)
+                self.incarnation_gone(peer, (aid, None), err)
             return
         del inflight[peer]
         try:
             pid = ping_result(peer, ref)
         except PeerDiedError as err:
-            self.incarnation_gone(peer, (aid, None), err)
+            if died is not None:  # the confirming ping failed too: no process of it is left
+                self.incarnation_gone(peer, (aid, None), err)
+            else:
+                # Ray restarts an actor under the same id, so a ping sent before a restart
+                # reports the old process's death after the new one may already serve a
+                # receive: ask the actor registered now which process is alive first.
+                self._send_ping(peer, inflight, now, err)
             return
         self._check_incarnation(peer, (aid, pid))
+
+    def _send_ping(
+        self, peer: str, inflight: dict[str, _Ping], now: float, died: CommError | None
+    ) -> None:
+        """Ping the actor registered as ``peer`` now (``died``: why the last ping failed)."""
+        try:
+            aid, ref = ping(peer)
+        except PeerDiedError as err:
+            self.peer_dead(peer, err)
+            return
+        inflight[peer] = (aid, ref, now, died)
 
     def _check_incarnation(self, peer: str, live: Ident) -> None:
         """Fail operations bound to an incarnation of ``peer`` other than ``live`` (a restart)."""
