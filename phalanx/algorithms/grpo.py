@@ -200,13 +200,14 @@ def train(
     gbs = cfg.train_global_batch_size or batch
     on_policy = gbs == batch
     policy_threads, gen_threads, policy_cpus, gen_cpus = thread_shares(cfg)
+    policy_precision, generation_precision = cfg.precisions()
     policy_cfg: dict[str, Any] = {
         "model_name": sft_dir if (ckpt and warm) else base_dir,
         "train_global_batch_size": gbs,
         "train_micro_batch_size": cfg.train_micro_batch_size,
         "logprob_batch_size": cfg.logprob_micro_batch_size,
         "max_total_sequence_length": max_seq,
-        "precision": cfg.precisions()[0],
+        "precision": policy_precision,
         "max_grad_norm": cfg.max_grad_norm,
         "optimizer": {
             "name": "torch.optim.AdamW",
@@ -256,7 +257,7 @@ def train(
         "temperature": cfg.temperature,
         "top_p": cfg.top_p,
         "seed": cfg.seed,
-        "precision": cfg.precisions()[1],
+        "precision": generation_precision,
         "num_threads": gen_threads,
     }
     generation = None
