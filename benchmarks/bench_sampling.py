@@ -2,22 +2,26 @@
 
 In one run, on ``--env`` (default HalfCheetah-v5, ``pip install "gymnasium[mujoco]"``)
 with ``--envs`` environments in all, each stepped with the default policy's forward
-(``ActorCritic.act``, 64x64 tanh, one torch thread):
+(``ActorCritic.act_numpy``, 64x64 tanh, as the runners run it):
 
 (a) one process stepping a ``gymnasium.vector.SyncVectorEnv`` (the limit of one core);
 (b) one process stepping a ``gymnasium.vector.AsyncVectorEnv`` (one env process each);
 (c) ``envpool`` where it is installed and has the task (its own C++ thread pool);
 (d) ``EnvRunnerGroup`` with 1 runner x N envs and with 2 runners x N/2 envs.
 
-Prints env steps/s of each and the ratio of (d) to the best single-process figure
-(issue 25's goal: 2 runners >= 1.6x SyncVectorEnv on 2 cores, >= 0.9x AsyncVectorEnv).
+Every path is built once, then measured in ``--rounds`` interleaved rounds (the machine's
+speed drifts within seconds). Prints the median env steps/s of each and the median of the
+per-round ratios of (d) to the best single-process figure (issue 25's goal: 2 runners
+>= 1.6x SyncVectorEnv on 2 cores, >= 0.9x AsyncVectorEnv).
 
-    python benchmarks/bench_sampling.py [--env HalfCheetah-v5] [--envs 8] [--steps 256]
+    python benchmarks/bench_sampling.py [--env HalfCheetah-v5] [--envs 8] [--steps 256] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import time
 from collections.abc import Callable
 
@@ -40,39 +44,89 @@ def policy_for(env_id: str, seed: int = 0) -> ActorCritic:
 def _stepper(env: gym.vector.VectorEnv, policy: ActorCritic, low, high) -> Callable[[], None]:
     obs, _ = env.reset(seed=0)
     state = {"obs": obs}
+    rng = np.random.default_rng(0)
 
     def step() -> None:
-        a = policy.act(torch.from_numpy(np.asarray(state["obs"], np.float32)))[0].numpy()
+        # The forward the runners run (ActorCritic.act_numpy), so (a) and (d) differ
+        # only in where the envs are stepped.
+        a = policy.act_numpy(np.asarray(state["obs"], np.float32), True, rng)[0]
         state["obs"] = env.step(np.clip(a, low, high) if low is not None else a)[0]
 
     return step
 
 
+class SingleProcess:
+    """One process stepping ``num_envs`` envs with the policy: ``kind`` is ``sync``,
+    ``async`` or ``envpool``. Built once; :meth:`measure` times ``steps`` vector steps."""
+
+    def __init__(self, kind: str, env_id: str, num_envs: int):
+        self.num_envs = num_envs
+        policy = policy_for(env_id)
+        if kind == "envpool":
+            import envpool
+
+            self.env = envpool.make_gymnasium(env_id, num_envs=num_envs, seed=0)
+        else:
+            fns = [lambda: gym.make(env_id, disable_env_checker=True) for _ in range(num_envs)]
+            cls = gym.vector.SyncVectorEnv if kind == "sync" else gym.vector.AsyncVectorEnv
+            self.env = cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+        env = self.env
+        space = getattr(env, "single_action_space", env.action_space)
+        box = isinstance(space, gym.spaces.Box)
+        self._step = _stepper(env, policy, space.low if box else None, space.high if box else None)
+        self.measure(8)  # warm-up
+
+    def measure(self, steps: int) -> tuple[int, float]:
+        """(env steps taken, seconds) of ``steps`` vector steps."""
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                self._step()
+            return steps * self.num_envs, time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.env.close()
+
+
 def single_process(kind: str, env_id: str, num_envs: int, steps: int) -> tuple[int, float]:
     """``steps`` vector steps of ``num_envs`` envs with the policy in this process:
     (env steps taken, seconds). ``kind``: ``sync``, ``async`` or ``envpool``."""
-    policy = policy_for(env_id)
-    if kind == "envpool":
-        import envpool
-
-        env = envpool.make_gymnasium(env_id, num_envs=num_envs, seed=0)
-    else:
-        fns = [lambda: gym.make(env_id, disable_env_checker=True) for _ in range(num_envs)]
-        cls = gym.vector.SyncVectorEnv if kind == "sync" else gym.vector.AsyncVectorEnv
-        env = cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
-    space = env.single_action_space if hasattr(env, "single_action_space") else env.action_space
-    box = isinstance(space, gym.spaces.Box)
-    step = _stepper(env, policy, space.low if box else None, space.high if box else None)
+    sp = SingleProcess(kind, env_id, num_envs)
     try:
-        with torch.inference_mode():
-            for _ in range(8):  # warm-up
-                step()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                step()
-            return steps * num_envs, time.perf_counter() - t0
+        return sp.measure(steps)
     finally:
-        env.close()
+        sp.close()
+
+
+class PhalanxGroup:
+    """``EnvRunnerGroup`` of ``num_runners`` runners sharing ``num_envs`` envs, built once;
+    :meth:`measure` times ``sample`` calls until ``steps * num_envs`` env steps."""
+
+    def __init__(self, env_id: str, num_runners: int, num_envs: int, cluster=None):
+        from phalanx.envs import EnvRunnerGroup, EnvRunnerGroupConfig
+
+        self.num_envs = num_envs
+        self.per = num_envs // num_runners
+        self.group = EnvRunnerGroup(
+            config=EnvRunnerGroupConfig(env=env_id, num_envs_per_env_runner=self.per, seed=0),
+            num_env_runners=num_runners,
+            local_env_runner=False,
+            cluster=cluster,
+        )
+        self.group.sample(num_timesteps=self.per * 8)  # warm-up
+
+    def measure(self, steps: int) -> tuple[int, float]:
+        chunk = min(steps, 256)
+        taken, secs = 0, 0.0
+        while taken < steps * self.num_envs:
+            t0 = time.perf_counter()
+            batches = self.group.sample(num_timesteps=self.per * chunk)
+            secs += time.perf_counter() - t0
+            taken += sum(b["timesteps"] for b in batches)
+        return taken, secs
+
+    def close(self) -> None:
+        self.group.stop()
 
 
 def phalanx_group(
@@ -80,57 +134,53 @@ def phalanx_group(
 ) -> tuple[int, float]:
     """``EnvRunnerGroup.sample`` of ``num_runners`` runners sharing ``num_envs`` envs, until
     ``steps * num_envs`` env steps: (env steps taken, seconds of the sample calls)."""
-    from phalanx.envs import EnvRunnerGroup, EnvRunnerGroupConfig
-
-    per = num_envs // num_runners
-    group = EnvRunnerGroup(
-        config=EnvRunnerGroupConfig(env=env_id, num_envs_per_env_runner=per, seed=0),
-        num_env_runners=num_runners,
-        local_env_runner=False,
-        cluster=cluster,
-    )
+    g = PhalanxGroup(env_id, num_runners, num_envs, cluster)
     try:
-        group.sample(num_timesteps=per * 8)  # warm-up
-        chunk = min(steps, 256)
-        taken, secs = 0, 0.0
-        while taken < steps * num_envs:
-            t0 = time.perf_counter()
-            batches = group.sample(num_timesteps=per * chunk)
-            secs += time.perf_counter() - t0
-            taken += sum(b["timesteps"] for b in batches)
-        return taken, secs
+        return g.measure(steps)
     finally:
-        group.stop()
+        g.close()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--env", default="HalfCheetah-v5")
     p.add_argument("--envs", type=int, default=8, help="environments in all (even)")
-    p.add_argument("--steps", type=int, default=256, help="vector steps of each env")
+    p.add_argument("--steps", type=int, default=256, help="vector steps of each env per round")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians reported)")
     args = p.parse_args()
     if args.envs < 2 or args.envs % 2:
         p.error(f"--envs must be an even number >= 2, got {args.envs}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     torch.set_num_threads(1)
-    rates: dict[str, float] = {}
+    print(f"load average at the start: {os.getloadavg()[0]:.2f}")
+    paths: dict[str, SingleProcess | PhalanxGroup] = {}
     for kind in ("sync", "async", "envpool"):
         try:
-            n, s = single_process(kind, args.env, args.envs, args.steps)
+            paths[kind] = SingleProcess(kind, args.env, args.envs)
         except ImportError:
             print("(c) envpool: not installed (pip install envpool)")
-            continue
         except Exception as e:  # noqa: BLE001 - envpool without this task: say so, go on
             if kind != "envpool":
                 raise
             print(f"(c) envpool: cannot run {args.env}: {str(e).splitlines()[0]}")
-            continue
-        rates[kind] = n / s
     import phalanx as px
 
     cluster = px.Cluster()
     for runners in (1, 2):
-        n, s = phalanx_group(args.env, runners, args.envs, args.steps, cluster)
-        rates[f"phalanx x{runners}"] = n / s
+        paths[f"phalanx x{runners}"] = PhalanxGroup(args.env, runners, args.envs, cluster)
+    # The machine's speed drifts within seconds: every round measures every path once,
+    # so each ratio compares figures taken moments apart.
+    rates: dict[str, list[float]] = {k: [] for k in paths}
+    try:
+        for r in range(args.rounds):
+            for k, path in paths.items():
+                n, secs = path.measure(args.steps)
+                rates[k].append(n / secs)
+            print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items()))
+    finally:
+        for path in paths.values():
+            path.close()
     labels = {
         "sync": "(a) SyncVectorEnv, one process",
         "async": "(b) AsyncVectorEnv, one process",
@@ -138,16 +188,24 @@ def main() -> None:
         "phalanx x1": f"(d) EnvRunnerGroup, 1 runner x {args.envs} envs",
         "phalanx x2": f"(d) EnvRunnerGroup, 2 runners x {args.envs // 2} envs",
     }
-    print(f"{args.env}, {args.envs} envs in all, policy forward on every step:")
-    for k, v in rates.items():
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    print(
+        f"{args.env}, {args.envs} envs in all, policy forward on every step, medians of "
+        f"{args.rounds} rounds:"
+    )
+    for k, v in med.items():
         print(f"  {labels[k]:48s} {v:>10,.0f} env steps/s")
-    single = {k: rates[k] for k in ("sync", "async", "envpool") if k in rates}
-    best = max(single, key=single.get)
+    single = [k for k in ("sync", "async", "envpool") if k in med]
+    best = max(single, key=med.get)
+
+    def per_round(k: str, base: str) -> float:
+        return statistics.median(a / b for a, b in zip(rates[k], rates[base]))
+
     for k in ("phalanx x1", "phalanx x2"):
         print(
-            f"ratio {labels[k][4:]} / best single process ({best}): "
-            f"{rates[k] / single[best]:.2f}x; / SyncVectorEnv: {rates[k] / rates['sync']:.2f}x; "
-            f"/ AsyncVectorEnv: {rates[k] / rates['async']:.2f}x"
+            f"RATIO {labels[k][4:]} / best single process ({best}): {per_round(k, best):.2f}x; "
+            f"/ SyncVectorEnv: {per_round(k, 'sync'):.2f}x; "
+            f"/ AsyncVectorEnv: {per_round(k, 'async'):.2f}x (medians of per-round ratios)"
         )
 
 

@@ -31,7 +31,9 @@ from phalanx.envs.normalize import RunningMeanStd
 from phalanx.observe.breakdown import process_age_s
 
 
-def rollout(env, policy, obs, norm, cfg: PPOConfig, ep: dict[str, Any]) -> tuple[dict, Any]:
+def rollout(
+    env, policy, obs, norm, cfg: PPOConfig, ep: dict[str, Any], rng: np.random.Generator
+) -> tuple[dict, Any]:
     """``rollout_fragment_length`` steps of every env: a batch as an env runner returns it."""
     T, N = cfg.rollout_fragment_length, env.num_envs
     space = env.single_action_space
@@ -42,10 +44,9 @@ def rollout(env, policy, obs, norm, cfg: PPOConfig, ep: dict[str, Any]) -> tuple
     returns: list[float] = []
     for t in range(T):
         nobs = _normalize(norm, obs, update=True)
-        a, logp, v = policy.act(torch.from_numpy(nobs))
-        a = a.numpy()
+        a, logp, v = _act(policy, nobs, rng)
         obs, r, term, trunc, info = env.step(np.clip(a, space.low, space.high) if box else a)
-        for k, x in zip(keys, (nobs, a, logp.numpy(), r, term, trunc, v.numpy())):
+        for k, x in zip(keys, (nobs, a, logp, r, term, trunc, v)):
             buf[k].append(x)
         ep["ret"] += r
         for i in np.flatnonzero(term | trunc):
@@ -65,6 +66,16 @@ def rollout(env, policy, obs, norm, cfg: PPOConfig, ep: dict[str, Any]) -> tuple
     return batch, obs
 
 
+def _act(policy, nobs: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """The forward the env runners run: ``act_numpy`` where the policy has it."""
+    fast = getattr(policy, "act_numpy", None)
+    out = None if fast is None else fast(nobs, True, rng)
+    if out is None:
+        a, logp, v = policy.act(torch.from_numpy(nobs))
+        out = a.numpy(), logp.numpy(), v.numpy()
+    return out
+
+
 def _normalize(norm: RunningMeanStd | None, obs: np.ndarray, update: bool) -> np.ndarray:
     if norm is None:
         return np.asarray(obs, np.float32)
@@ -80,6 +91,7 @@ def train(cfg: PPOConfig) -> dict[str, Any]:
     torch.set_num_threads(cfg.torch_threads)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
     n = max(cfg.num_env_runners, 1) * cfg.num_envs_per_env_runner
     env = gym.vector.SyncVectorEnv(
         [lambda: gym.make(cfg.env, disable_env_checker=True, **cfg.env_config)] * n,
@@ -101,7 +113,7 @@ def train(cfg: PPOConfig) -> dict[str, Any]:
     while timesteps < cfg.max_timesteps:
         t = time.perf_counter()
         with torch.inference_mode():
-            batch, obs = rollout(env, policy, obs, norm, cfg, ep)
+            batch, obs = rollout(env, policy, obs, norm, cfg, ep, rng)
         times["sampling"] += time.perf_counter() - t
         timesteps += batch["rewards"].size
         recent.extend(batch["episode_returns"])

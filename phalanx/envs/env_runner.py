@@ -34,7 +34,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from phalanx._base.checks import check_int
 from phalanx.envs.config import DEFAULT_POLICY_ID, EnvContext, EnvRunnerGroupConfig
-from phalanx.envs.normalize import RunningMeanStd
+from phalanx.envs.normalize import RunningMeanStd, batch_moments
 from phalanx.envs.policy import ActorCritic
 from phalanx.worker.worker import Worker
 
@@ -184,8 +184,10 @@ class EnvRunner(Worker):
         ]
         fns = [self._env_fn(ctx) for ctx in self._contexts]
         self.env = SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
-        if self.config.seed is not None:
-            torch.manual_seed(self.config.seed + self.worker_index)
+        seed = None if self.config.seed is None else self.config.seed + self.worker_index
+        if seed is not None:
+            torch.manual_seed(seed)
+        self._rng = np.random.default_rng(seed)  # exploration noise of act_numpy policies
 
     def _env_fn(self, ctx: EnvContext) -> Callable[[], gym.Env]:
         def make() -> gym.Env:
@@ -358,8 +360,9 @@ class EnvRunner(Worker):
         if self._obs_rms is None:
             return np.asarray(obs, np.float32)
         if update and self._update_norm:
-            self._obs_rms.update(obs)
-            self._obs_delta.update(obs)
+            moments = batch_moments(obs)
+            self._obs_rms.merge_moments(*moments)
+            self._obs_delta.merge_moments(*moments)
         return self._obs_rms.normalize(obs)
 
     def get_connector_state(self) -> dict[str, Any]:
@@ -478,6 +481,10 @@ class EnvRunner(Worker):
     def _act(
         self, policy: torch.nn.Module, nobs: np.ndarray, explore: bool, random_actions: bool
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        fast = None if random_actions else getattr(policy, "act_numpy", None)
+        out = None if fast is None else fast(nobs, explore, self._rng)
+        if out is not None:
+            return out
         obs_t = torch.from_numpy(nobs)
         if random_actions:
             a = np.stack([self.action_space.sample() for _ in range(len(nobs))])

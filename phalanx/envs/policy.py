@@ -3,7 +3,9 @@
 Discrete action spaces get a categorical head, Box action spaces a diagonal Gaussian
 with a state-independent log-std. Sampling is written out by hand (no
 ``torch.distributions`` objects) because the env runner calls ``act`` once per vector
-step and object construction would cost more than the tiny MLP itself.
+step and object construction would cost more than the tiny MLP itself. For the same
+reason runners call :meth:`ActorCritic.act_numpy`: a vector step's batch is a few rows,
+where torch's fixed cost per op (5-10 us) is most of the forward and numpy's is 1-2 us.
 
 Any ``nn.Module`` can be a policy of an :class:`~phalanx.envs.EnvRunner` if it has the
 same two methods: ``act(obs, explore) -> (actions, logp, values)`` and
@@ -75,6 +77,9 @@ class ActorCritic(nn.Module):
         self.action_shape = tuple(action_space.shape or ())
         self.actor = _mlp([obs_dim, *hidden, out_dim], act, 0.01)
         self.critic = _mlp([obs_dim, *hidden, 1], act, 1.0)
+        self._np_activation = np.tanh if activation == "tanh" else _relu
+        self._linears = [m for m in (*self.actor, *self.critic) if isinstance(m, nn.Linear)]
+        self._np_views: tuple[tuple[int, ...], list[np.ndarray]] | None = None
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickles as its arguments and weights: hooks that a runner's weight receiver put
@@ -118,6 +123,63 @@ class ActorCritic(nn.Module):
         entropy = (0.5 + 0.5 * _LOG_2PI + self.log_std).sum().expand(out.shape[0])
         return self._gauss_logp(out, a), entropy, self.value(x)
 
+    def act_numpy(
+        self, obs: np.ndarray, explore: bool, rng: np.random.Generator
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """:meth:`act` computed in numpy on the live parameters, with noise from ``rng``:
+        same network, same distribution, numpy's random stream. ``None`` when the weights
+        are not float32 on the CPU or a subclass overrides :meth:`act` (call :meth:`act`
+        then)."""
+        if type(self).act is not ActorCritic.act:
+            return None
+        params = [t for m in self._linears for t in (m.weight, m.bias)]
+        if not self.discrete:
+            params.append(self.log_std)
+        arrays = self._numpy_views(params)
+        if arrays is None:
+            return None
+        x = obs.reshape(len(obs), -1)
+        n = len(self._linears) // 2  # Linear layers per net
+        out = self._np_mlp(arrays[: 2 * n], x)
+        value = self._np_mlp(arrays[2 * n : 4 * n], x)[:, 0]
+        if self.discrete:
+            z = out - out.max(-1, keepdims=True)
+            logp_all = z - np.log(np.exp(z).sum(-1, keepdims=True))
+            if explore:  # Gumbel-max: an exact sample of the categorical
+                gumbel = -np.log(-np.log(rng.random(out.shape, np.float32)))
+                a = (logp_all + gumbel).argmax(-1)
+            else:
+                a = out.argmax(-1)
+            return a, logp_all[np.arange(len(a)), a], value
+        log_std = arrays[-1]
+        const = np.float32(log_std.sum() + 0.5 * _LOG_2PI * out.shape[-1])
+        if explore:
+            eps = rng.standard_normal(out.shape, np.float32)
+            a = out + np.exp(log_std) * eps
+            logp = -0.5 * (eps * eps).sum(-1) - const  # (a - mean) / std is eps itself
+        else:
+            a = out
+            logp = np.full(len(out), -const, np.float32)
+        return a.reshape(-1, *self.action_shape), logp, value
+
+    def _numpy_views(self, params: list[torch.Tensor]) -> list[np.ndarray] | None:
+        """Numpy views of ``params``, rebuilt when a storage moves (a weight receiver may
+        point a parameter at a new buffer); ``None`` unless all are float32 on the CPU."""
+        ptrs = tuple(p.data_ptr() for p in params)
+        if self._np_views is None or self._np_views[0] != ptrs:
+            if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in params):
+                return None
+            self._np_views = (ptrs, [p.detach().numpy() for p in params])
+        return self._np_views[1]
+
+    def _np_mlp(self, arrays: list[np.ndarray], x: np.ndarray) -> np.ndarray:
+        last = len(arrays) // 2 - 1
+        for i in range(last + 1):
+            x = x @ arrays[2 * i].T + arrays[2 * i + 1]
+            if i < last:
+                x = self._np_activation(x)
+        return x
+
     def _gauss_logp(self, mean: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         z = (a - mean) / self.log_std.exp()
         return (-0.5 * z.pow(2) - self.log_std - 0.5 * _LOG_2PI).sum(-1)
@@ -125,6 +187,10 @@ class ActorCritic(nn.Module):
     def forward(self, obs: torch.Tensor) -> Any:
         """Greedy actions (what ``phalanx eval`` runs)."""
         return self.act(obs, explore=False)[0]
+
+
+def _relu(x: np.ndarray) -> np.ndarray:
+    return np.maximum(x, 0)
 
 
 def _rebuild(args: tuple[Any, ...], state: dict[str, torch.Tensor], training: bool) -> ActorCritic:
