@@ -24,6 +24,7 @@ the machinery demo. For a pretrained model the reference policy is the model its
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -332,9 +333,16 @@ def train(
         def evaluate(step: int) -> dict[str, Any]:
             with bar.waiting(f"held-out evaluation ({len(task.heldout)} problems, greedy)"):
                 t = time.perf_counter()
-                row, samples = evaluate_accuracy(
-                    generation, tokenizer, task, cfg.system_prompt, cfg.generation_timeout_s
-                )
+                if phase is not None:  # async, shared: nothing else runs, every core
+                    every = len(os.sched_getaffinity(0)) // cfg.num_generation_workers
+                    place_group(generation, max(1, every), None)
+                try:
+                    row, samples = evaluate_accuracy(
+                        generation, tokenizer, task, cfg.system_prompt, cfg.generation_timeout_s
+                    )
+                finally:
+                    if phase is not None:
+                        place_group(generation, gen_threads, None)
                 if tiny_pairs is not None:
                     row["p_correct"] = answer_probability(policy, tokenizer, tiny_pairs)
                     p_correct.append((step, row["p_correct"]))
@@ -409,11 +417,23 @@ def train(
                 on_training(step, policy)
                 t0 += time.perf_counter() - t_hook
 
-            # 8. refit the generators with the new weights (between generation batches)
-            with bar.waiting("refit"):
-                info.update(rollouts.refit())
-            if cfg.async_grpo:
-                info["time/training_wait"] += info["time/refit_wait"]
+            # 8. refit the generators with the new weights (between generation batches);
+            #    an evaluation follows under the same pause of the collector
+            out_of_time = (
+                cfg.time_limit_s is not None and time.perf_counter() - t_start >= cfg.time_limit_s
+            )
+            last = step == cfg.steps or out_of_time
+            evaluating = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or last)
+            hold = contextlib.ExitStack()
+            held_wait = hold.enter_context(rollouts.paused()) if evaluating else 0.0
+            with hold:
+                with bar.waiting("refit"):
+                    info.update(rollouts.refit())
+                if cfg.async_grpo:
+                    info["time/refit_wait"] += held_wait
+                    info["time/training_wait"] += info["time/refit_wait"]
+                if evaluating:
+                    info.update(evaluate(step))
 
             mb = out["all_mb_metrics"]
             ntok = max(sum(mb["num_valid_tokens"]), 1)
@@ -437,13 +457,6 @@ def train(
             train_tokens = int(data["input_lengths"].sum())  # prompt + response, no padding
             row["train/tokens"] = train_tokens
             row["throughput/train_tokens_per_s"] = train_tokens / max(times["training"], 1e-9)
-            out_of_time = (
-                cfg.time_limit_s is not None and time.perf_counter() - t_start >= cfg.time_limit_s
-            )
-            last = step == cfg.steps or out_of_time
-            if cfg.eval_every and (step % cfg.eval_every == 0 or last):
-                with rollouts.paused():
-                    row.update(evaluate(step))
             row["time/step"] = time.perf_counter() - t0  # the evaluation included
             metrics.log(step, row)
             history.append({"step": step, **row})

@@ -13,7 +13,9 @@ trains on rollouts of version ``k - 2`` or ``k - 1`` while the generators produc
 
 Refit between batches. A generation batch runs under one version: the refit (and an
 evaluation) waits for the batch in flight to end and keeps the collector from starting
-the next until it is done; ``time/training_wait`` counts that wait and the wait for a
+the next until it is done. On an evaluation step the trainer holds one pause over the
+refit and the evaluation: were the collector let go between them, the evaluation would
+wait for a whole generation batch; ``time/training_wait`` counts that wait and the wait for a
 batch, ``time/generation_wait`` how long the collector idled for the trainer.
 ``in_flight_weight_updates`` (switching weights inside a batch) is refused: the Hugging
 Face backend decodes a batch in one call and takes new weights only between calls.
@@ -78,7 +80,7 @@ class AsyncRollouts:
         self._next_target = start_version + 1
         self._cv = threading.Condition()
         self._generating = False
-        self._paused = False
+        self._pauses = 0  # paused() blocks held (they nest)
         self._stopped = False
         self._generation_wait = 0.0
         self._restarts_seen = generation.num_remote_worker_restarts()
@@ -96,7 +98,7 @@ class AsyncRollouts:
                         lambda: (
                             self._stopped
                             or (
-                                not self._paused
+                                not self._pauses
                                 and self.version >= self._next_target - 1 - self.max_age
                             )
                         )
@@ -170,9 +172,10 @@ class AsyncRollouts:
     @contextlib.contextmanager
     def paused(self) -> Iterator[float]:
         """No generation batch runs inside: waits for the one in flight (yields that wait
-        in seconds) and keeps the collector from starting another."""
+        in seconds) and keeps the collector from starting another. Blocks nest: the
+        collector goes on when the outermost ends."""
         with self._cv:
-            self._paused = True
+            self._pauses += 1
             t = time.perf_counter()
             self._cv.wait_for(lambda: not self._generating)
             waited = time.perf_counter() - t
@@ -180,7 +183,7 @@ class AsyncRollouts:
             yield waited
         finally:
             with self._cv:
-                self._paused = False
+                self._pauses -= 1
                 self._cv.notify_all()
 
     def refit(self) -> dict[str, float]:

@@ -14,8 +14,9 @@ import pytest
 import ray
 import torch
 
+import phalanx as px
 from phalanx.algorithms.grpo import GRPOConfig, _defaults, cli, train
-from phalanx.algorithms.grpo_async import GenerationFailedError
+from phalanx.algorithms.grpo_async import AsyncRollouts, GenerationFailedError
 from phalanx.algorithms.grpo_config import expand_async_grpo
 from phalanx.algorithms.grpo_loss import OnPolicyPGLossFn, behaviour_logprobs
 from phalanx.algorithms.phase_threads import FollowThreads, PhaseThreads
@@ -265,3 +266,42 @@ def test_policy_threads_follow_the_generation_phase():
     finally:
         phase.close()
         torch.set_num_threads(start)
+
+
+class _Generator(px.Worker):
+    def is_alive(self) -> bool:
+        return True
+
+
+@pytest.mark.timeout(120)
+def test_an_evaluation_held_over_the_refit_keeps_the_collector_waiting(cluster):
+    """Pauses nest: a refit inside the trainer's pause does not let the collector start a
+    batch before the evaluation that follows it (it would wait for that whole batch)."""
+    group = _Generator.create_group().launch(cluster, name="async_pause_gen")
+    events: list[str] = []
+    started = threading.Event()
+
+    def make_batch() -> BatchedDataDict:
+        events.append("batch")
+        started.set()
+        return _rows(2, float(len(events)))
+
+    rollouts = AsyncRollouts(make_batch, lambda: events.append("refit"), group)
+    try:
+        assert until(lambda: events.count("batch") == 2, 30)  # batches 1, 2; 3 needs v1
+        rollouts.take(1)
+        started.clear()
+        with rollouts.paused():
+            rollouts.refit()
+            assert not started.wait(1.0), events  # the collector stays paused
+            events.append("evaluation")
+        assert started.wait(30)
+        assert events == ["batch", "batch", "refit", "evaluation", "batch"]
+        with rollouts.paused():  # pauses still nest after the first
+            with rollouts.paused():
+                pass
+            assert rollouts.refit()["time/refit_wait"] >= 0
+    finally:
+        rollouts.close()
+        assert rollouts.join(30)
+        group.shutdown()
