@@ -10,6 +10,9 @@ where torch's fixed cost per op (5-10 us) is most of the forward and numpy's is 
 Any ``nn.Module`` can be a policy of an :class:`~phalanx.envs.EnvRunner` if it has the
 same two methods: ``act(obs, explore) -> (actions, logp, values)`` and
 ``evaluate(obs, actions) -> (logp, entropy, values)``; ``values`` may be ``None``.
+It may add ``act_numpy(obs, explore, rng)``, the same as ``act`` on numpy arrays with
+noise from the runner's ``numpy.random.Generator``; the runner calls it first and falls
+back to ``act`` when it returns ``None``.
 """
 
 from __future__ import annotations
