@@ -29,7 +29,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from phalanx.envs.policy import ActorCritic
+from phalanx.envs.policy import ActorCritic, act_on_numpy
 
 
 def policy_for(env_id: str, seed: int = 0) -> ActorCritic:
@@ -47,9 +47,9 @@ def _stepper(env: gym.vector.VectorEnv, policy: ActorCritic, low, high) -> Calla
     rng = np.random.default_rng(0)
 
     def step() -> None:
-        # The forward the runners run (ActorCritic.act_numpy), so (a) and (d) differ
+        # The forward the runners run (act_on_numpy), so (a) and (d) differ
         # only in where the envs are stepped.
-        a = policy.act_numpy(np.asarray(state["obs"], np.float32), True, rng)[0]
+        a = act_on_numpy(policy, np.asarray(state["obs"], np.float32), True, rng)[0]
         state["obs"] = env.step(np.clip(a, low, high) if low is not None else a)[0]
 
     return step

@@ -28,6 +28,7 @@ import torch
 
 from phalanx.algorithms.ppo import PPOConfig, build_policy, flatten_batches, ppo_update
 from phalanx.envs.normalize import RunningMeanStd
+from phalanx.envs.policy import act_on_numpy
 from phalanx.observe.breakdown import process_age_s
 
 
@@ -44,7 +45,7 @@ def rollout(
     returns: list[float] = []
     for t in range(T):
         nobs = _normalize(norm, obs, update=True)
-        a, logp, v = _act(policy, nobs, rng)
+        a, logp, v = act_on_numpy(policy, nobs, True, rng)  # the runners' forward
         obs, r, term, trunc, info = env.step(np.clip(a, space.low, space.high) if box else a)
         for k, x in zip(keys, (nobs, a, logp, r, term, trunc, v)):
             buf[k].append(x)
@@ -64,16 +65,6 @@ def rollout(
     batch["last_values"] = policy.value(torch.from_numpy(_normalize(norm, obs, False))).numpy()
     batch["episode_returns"] = np.asarray(returns)
     return batch, obs
-
-
-def _act(policy, nobs: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
-    """The forward the env runners run: ``act_numpy`` where the policy has it."""
-    fast = getattr(policy, "act_numpy", None)
-    out = None if fast is None else fast(nobs, True, rng)
-    if out is None:
-        a, logp, v = policy.act(torch.from_numpy(nobs))
-        out = a.numpy(), logp.numpy(), v.numpy()
-    return out
 
 
 def _normalize(norm: RunningMeanStd | None, obs: np.ndarray, update: bool) -> np.ndarray:

@@ -35,7 +35,7 @@ from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from phalanx._base.checks import check_int
 from phalanx.envs.config import DEFAULT_POLICY_ID, EnvContext, EnvRunnerGroupConfig
 from phalanx.envs.normalize import RunningMeanStd, batch_moments
-from phalanx.envs.policy import ActorCritic
+from phalanx.envs.policy import ActorCritic, act_on_numpy
 from phalanx.worker.worker import Worker
 
 EnvCreator = Callable[[EnvContext], gym.Env]
@@ -481,17 +481,10 @@ class EnvRunner(Worker):
     def _act(
         self, policy: torch.nn.Module, nobs: np.ndarray, explore: bool, random_actions: bool
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        fast = None if random_actions else getattr(policy, "act_numpy", None)
-        out = None if fast is None else fast(nobs, explore, self._rng)
-        if out is not None:
-            return out
-        obs_t = torch.from_numpy(nobs)
-        if random_actions:
-            a = np.stack([self.action_space.sample() for _ in range(len(nobs))])
-            logp, _, v = policy.evaluate(obs_t, torch.as_tensor(a))
-        else:
-            a_t, logp, v = policy.act(obs_t, explore)
-            a = a_t.numpy()
+        if not random_actions:
+            return act_on_numpy(policy, nobs, explore, self._rng)
+        a = np.stack([self.action_space.sample() for _ in range(len(nobs))])
+        logp, _, v = policy.evaluate(torch.from_numpy(nobs), torch.as_tensor(a))
         return a, logp.numpy(), None if v is None else v.numpy()
 
     def _env_action(self, a: np.ndarray) -> np.ndarray:

@@ -192,6 +192,19 @@ class ActorCritic(nn.Module):
         return self.act(obs, explore=False)[0]
 
 
+def act_on_numpy(
+    policy: nn.Module, obs: np.ndarray, explore: bool, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """What an env runner's forward is: ``policy.act_numpy`` where the policy has it and it
+    answers, else ``policy.act`` on a tensor; numpy ``(actions, logp, values)`` either way."""
+    fast = getattr(policy, "act_numpy", None)
+    out = None if fast is None else fast(obs, explore, rng)
+    if out is not None:
+        return out
+    a, logp, v = policy.act(torch.from_numpy(obs), explore)
+    return a.numpy(), logp.numpy(), None if v is None else v.numpy()
+
+
 def _relu(x: np.ndarray) -> np.ndarray:
     return np.maximum(x, 0)
 

@@ -298,8 +298,8 @@ def test_an_evaluation_held_over_the_refit_keeps_the_collector_waiting(cluster):
         assert started.wait(30)
         assert events == ["batch", "batch", "refit", "evaluation", "batch"]
         with rollouts.paused():  # pauses still nest after the first
-            with rollouts.paused():
-                pass
+            with rollouts.paused() as inner_wait:
+                assert inner_wait < 1.0  # the outer pause already waited for any batch
             assert rollouts.refit()["time/refit_wait"] >= 0
     finally:
         rollouts.close()
