@@ -5,6 +5,8 @@ with ``--envs`` environments in all, each stepped with the default policy's forw
 (``ActorCritic.act_numpy``, 64x64 tanh, as the runners run it):
 
 (a) one process stepping a ``gymnasium.vector.SyncVectorEnv`` (the limit of one core);
+(a') the same with each sub-env's step infos dropped, as the runners drop them
+     (``NoStepInfo``): how much of (d)'s lead is the runners' leaner step, not parallelism;
 (b) one process stepping a ``gymnasium.vector.AsyncVectorEnv`` (one env process each);
 (c) ``envpool`` where it is installed and has the task (its own C++ thread pool);
 (d) ``EnvRunnerGroup`` with 1 runner x N envs and with 2 runners x N/2 envs.
@@ -29,6 +31,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
+from phalanx.envs.env_runner import NoStepInfo
 from phalanx.envs.policy import ActorCritic, act_on_numpy
 
 
@@ -57,7 +60,8 @@ def _stepper(env: gym.vector.VectorEnv, policy: ActorCritic, low, high) -> Calla
 
 class SingleProcess:
     """One process stepping ``num_envs`` envs with the policy: ``kind`` is ``sync``,
-    ``async`` or ``envpool``. Built once; :meth:`measure` times ``steps`` vector steps."""
+    ``sync-noinfo``, ``async`` or ``envpool``. Built once; :meth:`measure` times ``steps``
+    vector steps."""
 
     def __init__(self, kind: str, env_id: str, num_envs: int):
         self.num_envs = num_envs
@@ -67,8 +71,9 @@ class SingleProcess:
 
             self.env = envpool.make_gymnasium(env_id, num_envs=num_envs, seed=0)
         else:
-            fns = [lambda: gym.make(env_id, disable_env_checker=True) for _ in range(num_envs)]
-            cls = gym.vector.SyncVectorEnv if kind == "sync" else gym.vector.AsyncVectorEnv
+            wrap = NoStepInfo if kind == "sync-noinfo" else (lambda e: e)
+            fns = [lambda: wrap(gym.make(env_id, disable_env_checker=True))] * num_envs
+            cls = gym.vector.AsyncVectorEnv if kind == "async" else gym.vector.SyncVectorEnv
             self.env = cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
         env = self.env
         space = getattr(env, "single_action_space", env.action_space)
@@ -155,7 +160,7 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"load average at the start: {os.getloadavg()[0]:.2f}")
     paths: dict[str, SingleProcess | PhalanxGroup] = {}
-    for kind in ("sync", "async", "envpool"):
+    for kind in ("sync", "sync-noinfo", "async", "envpool"):
         try:
             paths[kind] = SingleProcess(kind, args.env, args.envs)
         except ImportError:
@@ -183,6 +188,7 @@ def main() -> None:
             path.close()
     labels = {
         "sync": "(a) SyncVectorEnv, one process",
+        "sync-noinfo": "(a') SyncVectorEnv, step infos dropped",
         "async": "(b) AsyncVectorEnv, one process",
         "envpool": "(c) envpool, one process",
         "phalanx x1": f"(d) EnvRunnerGroup, 1 runner x {args.envs} envs",
@@ -195,7 +201,7 @@ def main() -> None:
     )
     for k, v in med.items():
         print(f"  {labels[k]:48s} {v:>10,.0f} env steps/s")
-    single = [k for k in ("sync", "async", "envpool") if k in med]
+    single = [k for k in ("sync", "sync-noinfo", "async", "envpool") if k in med]
     best = max(single, key=med.get)
 
     def per_round(k: str, base: str) -> float:
@@ -205,6 +211,7 @@ def main() -> None:
         print(
             f"RATIO {labels[k][4:]} / best single process ({best}): {per_round(k, best):.2f}x; "
             f"/ SyncVectorEnv: {per_round(k, 'sync'):.2f}x; "
+            f"/ SyncVectorEnv without infos: {per_round(k, 'sync-noinfo'):.2f}x; "
             f"/ AsyncVectorEnv: {per_round(k, 'async'):.2f}x (medians of per-round ratios)"
         )
 
