@@ -9,7 +9,10 @@ with ``--envs`` environments in all, each stepped with the default policy's forw
      (``NoStepInfo``): how much of (d)'s lead is the runners' leaner step, not parallelism;
 (b) one process stepping a ``gymnasium.vector.AsyncVectorEnv`` (one env process each);
 (c) ``envpool`` where it is installed and has the task (its own C++ thread pool);
-(d) ``EnvRunnerGroup`` with 1 runner x N envs and with 2 runners x N/2 envs.
+(d) ``EnvRunnerGroup`` with 1 runner x N envs and with 2 runners x N/2 envs;
+(e) two bare processes (``multiprocessing``, no Ray), each stepping (a') with N/2 envs:
+    what this machine's two cores give two samplers with no runtime at all, the ceiling
+    for (d) with 2 runners.
 
 Every path is built once, then measured in ``--rounds`` interleaved rounds (the machine's
 speed drifts within seconds). Prints the median env steps/s of each and the median of the
@@ -103,6 +106,48 @@ def single_process(kind: str, env_id: str, num_envs: int, steps: int) -> tuple[i
         sp.close()
 
 
+def _bare_sampler(conn, env_id: str, num_envs: int) -> None:
+    """(e)'s child: builds (a') once, then measures ``steps`` on each request."""
+    torch.set_num_threads(1)
+    sp = SingleProcess("sync-noinfo", env_id, num_envs)
+    conn.send("ready")
+    while (steps := conn.recv()) is not None:
+        conn.send(sp.measure(steps))
+    sp.close()
+
+
+class BareProcesses:
+    """(e): ``num_procs`` processes sharing ``num_envs`` envs, started together on each
+    :meth:`measure`; the rate is their steps over the slower one's time."""
+
+    def __init__(self, env_id: str, num_procs: int, num_envs: int):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for _ in range(num_procs):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_bare_sampler, args=(child, env_id, num_envs // num_procs))
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        for conn in self.conns:
+            if not conn.poll(120):
+                raise TimeoutError("a bare sampler process did not start within 120 s")
+            conn.recv()
+
+    def measure(self, steps: int) -> tuple[int, float]:
+        for conn in self.conns:
+            conn.send(steps)
+        done = [conn.recv() for conn in self.conns]
+        return sum(n for n, _ in done), max(secs for _, secs in done)
+
+    def close(self) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            conn.send(None)
+            proc.join(timeout=30)
+
+
 class PhalanxGroup:
     """``EnvRunnerGroup`` of ``num_runners`` runners sharing ``num_envs`` envs, built once;
     :meth:`measure` times ``sample`` calls until ``steps * num_envs`` env steps."""
@@ -159,7 +204,7 @@ def main() -> None:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
     torch.set_num_threads(1)
     print(f"load average at the start: {os.getloadavg()[0]:.2f}")
-    paths: dict[str, SingleProcess | PhalanxGroup] = {}
+    paths: dict[str, SingleProcess | PhalanxGroup | BareProcesses] = {}
     for kind in ("sync", "sync-noinfo", "async", "envpool"):
         try:
             paths[kind] = SingleProcess(kind, args.env, args.envs)
@@ -174,6 +219,7 @@ def main() -> None:
     cluster = px.Cluster()
     for runners in (1, 2):
         paths[f"phalanx x{runners}"] = PhalanxGroup(args.env, runners, args.envs, cluster)
+    paths["bare x2"] = BareProcesses(args.env, 2, args.envs)
     # The machine's speed drifts within seconds: every round measures every path once,
     # so each ratio compares figures taken moments apart.
     rates: dict[str, list[float]] = {k: [] for k in paths}
@@ -193,6 +239,7 @@ def main() -> None:
         "envpool": "(c) envpool, one process",
         "phalanx x1": f"(d) EnvRunnerGroup, 1 runner x {args.envs} envs",
         "phalanx x2": f"(d) EnvRunnerGroup, 2 runners x {args.envs // 2} envs",
+        "bare x2": f"(e) 2 bare processes x {args.envs // 2} envs, no Ray",
     }
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(
@@ -214,6 +261,11 @@ def main() -> None:
             f"/ SyncVectorEnv without infos: {per_round(k, 'sync-noinfo'):.2f}x; "
             f"/ AsyncVectorEnv: {per_round(k, 'async'):.2f}x (medians of per-round ratios)"
         )
+    print(
+        f"CEILING {labels['bare x2'][4:]} / SyncVectorEnv: {per_round('bare x2', 'sync'):.2f}x; "
+        f"/ SyncVectorEnv without infos: {per_round('bare x2', 'sync-noinfo'):.2f}x; "
+        f"2 runners / 2 bare processes: {per_round('phalanx x2', 'bare x2'):.2f}x"
+    )
 
 
 if __name__ == "__main__":

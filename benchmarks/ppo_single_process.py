@@ -75,14 +75,16 @@ def _normalize(norm: RunningMeanStd | None, obs: np.ndarray, update: bool) -> np
     return norm.normalize(obs)
 
 
-def train(cfg: PPOConfig) -> dict[str, Any]:
-    """PPO in this process until ``stop_return`` or ``max_timesteps``; a summary dict."""
+def train(cfg: PPOConfig, noise_seed: int | None = None) -> dict[str, Any]:
+    """PPO in this process until ``stop_return`` or ``max_timesteps``; a summary dict.
+    ``noise_seed`` seeds the exploration noise (default ``cfg.seed``; env runner ``i``
+    uses ``cfg.seed + i``, which is how a test replays a one-runner phalanx run here)."""
     t0 = time.perf_counter()
     times = {"python start-up and imports": process_age_s()}
     torch.set_num_threads(cfg.torch_threads)
     torch.manual_seed(cfg.seed)
     np.random.seed(cfg.seed)
-    rng = np.random.default_rng(cfg.seed)
+    rng = np.random.default_rng(cfg.seed if noise_seed is None else noise_seed)
     n = max(cfg.num_env_runners, 1) * cfg.num_envs_per_env_runner
     env = gym.vector.SyncVectorEnv(
         [lambda: gym.make(cfg.env, disable_env_checker=True, **cfg.env_config)] * n,

@@ -100,3 +100,36 @@ def test_runner_drops_step_infos_but_foreach_env_sees_the_env_as_built():
     # the env's own attributes are still reachable through the vector env's sub-envs
     assert runner.env.envs[0].marker_key == "marker"
     runner.stop()
+
+
+@pytest.mark.timeout(150)
+def test_phalanx_ppo_with_one_runner_trains_on_the_one_process_loops_batches(
+    cluster, tmp_path, monkeypatch
+):
+    """The whole driver loop (normaliser sync, weight sync, lr annealing, update count), not
+    only the sampler: with one runner, phalanx's learner gets the very batches the
+    one-process loop makes when that loop draws the runner's noise."""
+    import phalanx.algorithms.ppo as ppo
+
+    loop = _single_process()
+    seen: dict[str, list[dict[str, torch.Tensor]]] = {"phalanx": [], "loop": []}
+
+    def recording(name: str, update):
+        def wrapped(policy, optimizer, data, cfg):
+            seen[name].append({k: v.clone() for k, v in data.items()})
+            return update(policy, optimizer, data, cfg)
+
+        return wrapped
+
+    monkeypatch.setattr(ppo, "ppo_update", recording("phalanx", ppo.ppo_update))
+    monkeypatch.setattr(loop, "ppo_update", recording("loop", loop.ppo_update))
+    cfg = PPOConfig.for_env("Pendulum-v1", seed=5, name="t", runs_dir=str(tmp_path),
+                            num_env_runners=1, num_envs_per_env_runner=4,
+                            rollout_fragment_length=64, max_timesteps=4 * 4 * 64,
+                            checkpoint_every=100)  # fmt: skip
+    ppo.train(cfg, cluster=cluster, progress=False)
+    loop.train(cfg, noise_seed=cfg.seed + 1)
+    assert len(seen["phalanx"]) == len(seen["loop"]) == 4
+    for it, (ours, theirs) in enumerate(zip(seen["loop"], seen["phalanx"])):
+        for k in ours:
+            torch.testing.assert_close(theirs[k], ours[k], rtol=1e-5, atol=1e-5, msg=f"{it} {k}")
