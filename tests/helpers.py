@@ -1,11 +1,25 @@
 """Helpers the tests share: polling with a deadline (never a sleep as synchronisation),
-and which /dev/shm files a process's tensors live in."""
+which /dev/shm files a process's tensors live in, and loading a benchmark script."""
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
+from types import ModuleType
 from typing import Any
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def benchmark_module(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` loaded as a module (the benchmarks are scripts, not a
+    package), for tests that check what a benchmark compares."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def until(pred: Callable[[], Any], timeout: float = 60.0, interval: float = 0.02) -> bool:

@@ -5,20 +5,17 @@ both of its paths."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import gymnasium as gym
 import numpy as np
 import pytest
 
 from phalanx.envs import EnvRunner, EnvRunnerGroup, EnvRunnerGroupConfig
+from tests.helpers import benchmark_module
 
 pytest.importorskip("mujoco", reason='needs the mujoco extra: pip install "gymnasium[mujoco]"')
 pytestmark = pytest.mark.timeout(180)
 
 ENV = "HalfCheetah-v5"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 class RecordActions(gym.ActionWrapper):
@@ -79,12 +76,7 @@ def test_box_actions_are_clipped_for_the_env_and_kept_raw_in_the_batch():
 
 
 def _bench_sampling():
-    spec = importlib.util.spec_from_file_location(
-        "bench_sampling", ROOT / "benchmarks" / "bench_sampling.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("bench_sampling")
 
 
 def test_sampling_benchmark_paths_take_the_same_steps(cluster):

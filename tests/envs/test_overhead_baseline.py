@@ -6,9 +6,6 @@ this process, as a local runner is."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -17,21 +14,16 @@ import torch
 from phalanx.algorithms.ppo import PPOConfig, build_policy, flatten_batches, ppo_update
 from phalanx.envs import EnvRunner
 from phalanx.envs.normalize import RunningMeanStd
+from tests.helpers import benchmark_module
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parents[2]
 KEYS = ("obs", "actions", "logp", "rewards", "terminateds", "truncateds", "values",
         "final_values", "last_values", "episode_returns")  # fmt: skip
 
 
 def _single_process():
-    spec = importlib.util.spec_from_file_location(
-        "ppo_single_process", ROOT / "benchmarks" / "ppo_single_process.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_module("ppo_single_process")
 
 
 class CountInfoReads(gym.Wrapper):
