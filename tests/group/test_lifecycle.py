@@ -33,8 +33,10 @@ class Gated(px.Worker):
             f.write("x")
         with open(path) as f:
             n = len(f.read())
-        with open(os.path.join(d, f"rank{self.rank}.pid{n}"), "w") as f:
+        pid_file = os.path.join(d, f"rank{self.rank}.pid{n}")
+        with open(pid_file + ".tmp", "w") as f:
             f.write(str(os.getpid()))
+        os.replace(pid_file + ".tmp", pid_file)  # readers never see it empty
         gate = os.path.join(d, f"gate{self.rank}.{n}")
         deadline = time.monotonic() + 120
         while os.path.exists(gate) and time.monotonic() < deadline:
