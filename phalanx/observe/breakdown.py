@@ -53,7 +53,8 @@ class WallBreakdown:
         """The phases (seconds), plus ``other`` when the total wall time is given."""
         with self._lock:
             out = {k: round(v, 3) for k, v in self.seconds.items()}
-            counted = sum(v for k, v in self.seconds.items() if k not in self.overlapped)
+            # from the rounded figures, so that the ones shown add up to the total
+            counted = sum(v for k, v in out.items() if k not in self.overlapped)
         if total_s is not None:
             out["other"] = round(max(total_s - counted, 0.0), 3)
         return out
