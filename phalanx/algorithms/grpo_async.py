@@ -131,11 +131,11 @@ class AsyncRollouts:
         restarts = self.generation.num_remote_worker_restarts()
         new = restarts - self._restarts_seen
         self._restarts_seen = restarts
-        unexplained = max(0, new - self._deaths_unrestarted)
-        self._deaths_unrestarted = max(0, self._deaths_unrestarted - new)
+        # A batch's worker death explains its restart, whether that came already or not.
+        deaths = self._deaths_unrestarted + isinstance(error, WorkerDiedError)
+        unexplained = max(0, new - deaths)
+        self._deaths_unrestarted = max(0, deaths - new)
         failed = unexplained + (error is not None)
-        if isinstance(error, WorkerDiedError):
-            self._deaths_unrestarted += 1
         if not failed:
             return
         self.failures += failed

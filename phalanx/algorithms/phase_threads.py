@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from phalanx.comm.shm import owner_token
+
 _FORMAT = "<i"
 
 
@@ -36,8 +38,9 @@ class PhaseThreads:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"PhaseThreads: {name} must be an int >= 1, got {v!r}")
         self.busy, self.idle = busy, idle
-        # named as phalanx's shared-memory segments are: px_<kind>_<pid>-
-        fd, self.path = tempfile.mkstemp(prefix=f"px_threads_{os.getpid()}-", dir=_folder())
+        # named as phalanx's shared-memory segments are (px_<kind>_<pid>-<start time>_), so
+        # that reap_orphans() removes it only once this process has ended
+        fd, self.path = tempfile.mkstemp(prefix=f"px_threads_{owner_token()}_", dir=_folder())
         os.close(fd)
         self.generating(True)  # the collector starts with a batch
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import threading
 import time
 
@@ -21,6 +22,7 @@ from phalanx.algorithms.grpo_config import expand_async_grpo
 from phalanx.algorithms.grpo_loss import OnPolicyPGLossFn, behaviour_logprobs
 from phalanx.algorithms.phase_threads import FollowThreads, PhaseThreads
 from phalanx.algorithms.trajectory_buffer import TrajectoryBuffer
+from phalanx.comm.shm import reap_orphans
 from phalanx.data import BatchedDataDict
 from phalanx.llm.loss import ClippedPGLossConfig, token_logprobs
 from phalanx.llm.policy_config import ConfigError
@@ -249,6 +251,8 @@ def test_policy_threads_follow_the_generation_phase():
     follow = FollowThreads(phase.path)
     try:
         assert os.path.basename(phase.path) in set(os.listdir("/dev/shm")) - before
+        # a restarted worker reaps dead processes' segments: never a live run's file
+        assert phase.path not in reap_orphans() and os.path.exists(phase.path)
         follow()
         assert torch.get_num_threads() == 1  # the collector starts with a batch
         phase.generating(False)
@@ -301,6 +305,38 @@ def test_an_evaluation_held_over_the_refit_keeps_the_collector_waiting(cluster):
             with rollouts.paused() as inner_wait:
                 assert inner_wait < 1.0  # the outer pause already waited for any batch
             assert rollouts.refit()["time/refit_wait"] >= 0
+    finally:
+        rollouts.close()
+        assert rollouts.join(30)
+        group.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_death_restarted_before_its_batch_error_is_counted_once(cluster):
+    """A generation worker's death is one failure, also when the group restarted the worker
+    before the collector saw the batch's ``WorkerDiedError`` (the restart is that death's)."""
+    group = _Generator.create_group().launch(
+        cluster, name="async_death_gen", restart_policy=px.RestartPolicy()
+    )
+    calls: list[int] = []
+
+    def restarted() -> bool:
+        group.probe_unhealthy_workers(timeout_seconds=30)
+        return group.num_remote_worker_restarts() == 1
+
+    def make_batch() -> BatchedDataDict:
+        calls.append(len(calls))
+        if len(calls) == 1:
+            os.kill(group.worker_metadata[0]["pid"], signal.SIGKILL)
+            assert until(restarted, 60)
+            raise px.WorkerDiedError(group.name, 0, "generate")
+        return _rows(2, 1.0)
+
+    rollouts = AsyncRollouts(make_batch, lambda: None, group, max_generation_failures=1)
+    try:
+        _, metrics = rollouts.take(1)
+        assert metrics["async/generation_failures"] == 1.0
+        assert rollouts.failures == 1 and calls[:2] == [0, 1]
     finally:
         rollouts.close()
         assert rollouts.join(30)
