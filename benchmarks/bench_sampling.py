@@ -6,11 +6,14 @@ with ``--envs`` environments in all, each stepped with the default policy's forw
 
 (a) one process stepping a ``gymnasium.vector.SyncVectorEnv`` (the limit of one core);
 (a') the same with each sub-env's step infos dropped, as the runners drop them
-     (``NoStepInfo``): how much of (d)'s lead is the runners' leaner step, not parallelism;
+     (``NoStepInfo``);
+(a'') one process stepping what a runner steps: (a') in phalanx's ``SameStepVectorEnv``
+     (the library's step without its per-space machinery). (a') and (a'') show how much
+     of (d)'s lead over (a) is the runners' leaner step, not parallelism;
 (b) one process stepping a ``gymnasium.vector.AsyncVectorEnv`` (one env process each);
 (c) ``envpool`` where it is installed and has the task (its own C++ thread pool);
 (d) ``EnvRunnerGroup`` with 1 runner x N envs and with 2 runners x N/2 envs;
-(e) two bare processes (``multiprocessing``, no Ray), each stepping (a') with N/2 envs:
+(e) two bare processes (``multiprocessing``, no Ray), each stepping (a'') with N/2 envs:
     what this machine's two cores give two samplers with no runtime at all, the ceiling
     for (d) with 2 runners.
 
@@ -36,6 +39,7 @@ import torch
 
 from phalanx.envs.env_runner import NoStepInfo
 from phalanx.envs.policy import ActorCritic, act_on_numpy
+from phalanx.envs.vector_env import SameStepVectorEnv
 
 
 def policy_for(env_id: str, seed: int = 0) -> ActorCritic:
@@ -63,7 +67,7 @@ def _stepper(env: gym.vector.VectorEnv, policy: ActorCritic, low, high) -> Calla
 
 class SingleProcess:
     """One process stepping ``num_envs`` envs with the policy: ``kind`` is ``sync``,
-    ``sync-noinfo``, ``async`` or ``envpool``. Built once; :meth:`measure` times ``steps``
+    ``sync-noinfo``, ``lean``, ``async`` or ``envpool``. Built once; :meth:`measure` times ``steps``
     vector steps."""
 
     def __init__(self, kind: str, env_id: str, num_envs: int):
@@ -74,10 +78,13 @@ class SingleProcess:
 
             self.env = envpool.make_gymnasium(env_id, num_envs=num_envs, seed=0)
         else:
-            wrap = NoStepInfo if kind == "sync-noinfo" else (lambda e: e)
+            wrap = NoStepInfo if kind in ("sync-noinfo", "lean") else (lambda e: e)
             fns = [lambda: wrap(gym.make(env_id, disable_env_checker=True))] * num_envs
-            cls = gym.vector.AsyncVectorEnv if kind == "async" else gym.vector.SyncVectorEnv
-            self.env = cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+            if kind == "lean":
+                self.env = SameStepVectorEnv(fns)
+            else:
+                cls = gym.vector.AsyncVectorEnv if kind == "async" else gym.vector.SyncVectorEnv
+                self.env = cls(fns, autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
         env = self.env
         space = getattr(env, "single_action_space", env.action_space)
         box = isinstance(space, gym.spaces.Box)
@@ -107,9 +114,9 @@ def single_process(kind: str, env_id: str, num_envs: int, steps: int) -> tuple[i
 
 
 def _bare_sampler(conn, env_id: str, num_envs: int) -> None:
-    """(e)'s child: builds (a') once, then measures ``steps`` on each request."""
+    """(e)'s child: builds (a'') once, then measures ``steps`` on each request."""
     torch.set_num_threads(1)
-    sp = SingleProcess("sync-noinfo", env_id, num_envs)
+    sp = SingleProcess("lean", env_id, num_envs)
     conn.send("ready")
     while (steps := conn.recv()) is not None:
         conn.send(sp.measure(steps))
@@ -205,7 +212,7 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"load average at the start: {os.getloadavg()[0]:.2f}")
     paths: dict[str, SingleProcess | PhalanxGroup | BareProcesses] = {}
-    for kind in ("sync", "sync-noinfo", "async", "envpool"):
+    for kind in ("sync", "sync-noinfo", "lean", "async", "envpool"):
         try:
             paths[kind] = SingleProcess(kind, args.env, args.envs)
         except ImportError:
@@ -215,7 +222,9 @@ def main() -> None:
                 raise
             print(f"(c) envpool: cannot run {args.env}: {str(e).splitlines()[0]}")
     import phalanx as px
+    from phalanx.resources.ray_start import start_ray
 
+    start_ray()  # as `phalanx train ppo` starts it: workers at nice 0 (Ray's default is 15)
     cluster = px.Cluster()
     for runners in (1, 2):
         paths[f"phalanx x{runners}"] = PhalanxGroup(args.env, runners, args.envs, cluster)
@@ -235,6 +244,7 @@ def main() -> None:
     labels = {
         "sync": "(a) SyncVectorEnv, one process",
         "sync-noinfo": "(a') SyncVectorEnv, step infos dropped",
+        "lean": "(a'') SameStepVectorEnv, step infos dropped",
         "async": "(b) AsyncVectorEnv, one process",
         "envpool": "(c) envpool, one process",
         "phalanx x1": f"(d) EnvRunnerGroup, 1 runner x {args.envs} envs",
@@ -248,7 +258,7 @@ def main() -> None:
     )
     for k, v in med.items():
         print(f"  {labels[k]:48s} {v:>10,.0f} env steps/s")
-    single = [k for k in ("sync", "sync-noinfo", "async", "envpool") if k in med]
+    single = [k for k in ("sync", "sync-noinfo", "lean", "async", "envpool") if k in med]
     best = max(single, key=med.get)
 
     def per_round(k: str, base: str) -> float:
@@ -259,11 +269,13 @@ def main() -> None:
             f"RATIO {labels[k][4:]} / best single process ({best}): {per_round(k, best):.2f}x; "
             f"/ SyncVectorEnv: {per_round(k, 'sync'):.2f}x; "
             f"/ SyncVectorEnv without infos: {per_round(k, 'sync-noinfo'):.2f}x; "
+            f"/ SameStepVectorEnv: {per_round(k, 'lean'):.2f}x; "
             f"/ AsyncVectorEnv: {per_round(k, 'async'):.2f}x (medians of per-round ratios)"
         )
     print(
         f"CEILING {labels['bare x2'][4:]} / SyncVectorEnv: {per_round('bare x2', 'sync'):.2f}x; "
         f"/ SyncVectorEnv without infos: {per_round('bare x2', 'sync-noinfo'):.2f}x; "
+        f"/ SameStepVectorEnv: {per_round('bare x2', 'lean'):.2f}x; "
         f"2 runners / 2 bare processes: {per_round('phalanx x2', 'bare x2'):.2f}x"
     )
 

@@ -3,9 +3,10 @@
 The same hyperparameters (``PPOConfig.for_env``: TUNED plus overrides), network
 (``ActorCritic``), advantage and update code (``phalanx.algorithms.ppo.gae``/
 ``ppo_update``), observation normaliser and seeds as ``phalanx train ppo``; the envs are one
-``gymnasium.vector.SyncVectorEnv`` of ``max(num_env_runners, 1) * num_envs_per_env_runner``
-envs stepped in this process, ``rollout_fragment_length`` steps per update, so a batch has
-the same size and layout as phalanx's. Prints the time from process start to
+vector env of ``max(num_env_runners, 1) * num_envs_per_env_runner`` envs stepped in this
+process, ``rollout_fragment_length`` steps per update, so a batch has the same size and
+layout as phalanx's. It is the vector env a runner steps (``SameStepVectorEnv``, sub-envs
+without step infos) and the runners' forward, so the ratio compares runtimes only. Prints the time from process start to
 ``stop_return`` (start-up included: interpreter, imports, env construction) and its
 wall-time breakdown, and a JSON summary as its last line. ``bench_ppo.py
 --vs-single-process`` runs it per seed beside ``phalanx train ppo`` and prints the ratio
@@ -27,8 +28,10 @@ import numpy as np
 import torch
 
 from phalanx.algorithms.ppo import PPOConfig, build_policy, flatten_batches, ppo_update
+from phalanx.envs.env_runner import NoStepInfo
 from phalanx.envs.normalize import RunningMeanStd
 from phalanx.envs.policy import act_on_numpy
+from phalanx.envs.vector_env import SameStepVectorEnv
 from phalanx.observe.breakdown import process_age_s
 
 
@@ -46,7 +49,8 @@ def rollout(
     for t in range(T):
         nobs = _normalize(norm, obs, update=True)
         a, logp, v = act_on_numpy(policy, nobs, True, rng)  # the runners' forward
-        obs, r, term, trunc, info = env.step(np.clip(a, space.low, space.high) if box else a)
+        act = np.minimum(np.maximum(a, space.low), space.high) if box else a  # the runners' clip
+        obs, r, term, trunc, info = env.step(act)
         for k, x in zip(keys, (nobs, a, logp, r, term, trunc, v)):
             buf[k].append(x)
         ep["ret"] += r
@@ -69,7 +73,7 @@ def rollout(
 
 def _normalize(norm: RunningMeanStd | None, obs: np.ndarray, update: bool) -> np.ndarray:
     if norm is None:
-        return np.asarray(obs, np.float32)
+        return np.array(obs, np.float32)  # a copy: the vector env reuses its buffer
     if update:
         norm.update(obs)
     return norm.normalize(obs)
@@ -86,9 +90,8 @@ def train(cfg: PPOConfig, noise_seed: int | None = None) -> dict[str, Any]:
     np.random.seed(cfg.seed)
     rng = np.random.default_rng(cfg.seed if noise_seed is None else noise_seed)
     n = max(cfg.num_env_runners, 1) * cfg.num_envs_per_env_runner
-    env = gym.vector.SyncVectorEnv(
-        [lambda: gym.make(cfg.env, disable_env_checker=True, **cfg.env_config)] * n,
-        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+    env = SameStepVectorEnv(
+        [lambda: NoStepInfo(gym.make(cfg.env, disable_env_checker=True, **cfg.env_config))] * n
     )
     policy = build_policy(cfg, env.single_observation_space, env.single_action_space)
     optimizer = torch.optim.Adam(

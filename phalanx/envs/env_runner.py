@@ -1,6 +1,7 @@
 """EnvRunner: a phalanx worker that steps a gymnasium vector env with torch policies.
 
-One runner holds one ``SyncVectorEnv`` of ``num_envs_per_env_runner`` sub-environments
+One runner holds one ``SyncVectorEnv`` (``vector_env.SameStepVectorEnv``, the same with a
+leaner step) of ``num_envs_per_env_runner`` sub-environments
 (built by ``env_creator(EnvContext)`` or ``gymnasium.make(env_id)``), its policies (torch
 modules keyed by policy id) and its connector state (an optional running observation
 normaliser). ``sample`` returns numpy arrays, which travel through Ray without copies.
@@ -35,12 +36,12 @@ import gymnasium as gym
 import numpy as np
 import torch
 from gymnasium.envs.registration import load_env_creator
-from gymnasium.vector import AutoresetMode, SyncVectorEnv
 
 from phalanx._base.checks import check_int
 from phalanx.envs.config import DEFAULT_POLICY_ID, EnvContext, EnvRunnerGroupConfig
 from phalanx.envs.normalize import RunningMeanStd, batch_moments
 from phalanx.envs.policy import ActorCritic, act_on_numpy
+from phalanx.envs.vector_env import SameStepVectorEnv
 from phalanx.worker.worker import Worker
 
 EnvCreator = Callable[[EnvContext], gym.Env]
@@ -124,6 +125,9 @@ def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
         return {k: torch.as_tensor(v) for k, v in state.items()}
 
 
+_NONE = np.zeros(0, np.int64)  # no sub-env finished in a step
+
+
 class NoStepInfo(gym.Wrapper):
     """A sub-env whose ``step`` returns an empty info (see the module's docstring). The
     env's own public attributes stay reachable through it (``runner.env.envs[i].x``)."""
@@ -179,6 +183,7 @@ class EnvRunner(Worker):
         obs_shape = self.observation_space.shape or ()
         self._obs_rms = RunningMeanStd(obs_shape) if config.normalize_observations else None
         self._obs_delta = RunningMeanStd(obs_shape, 0.0) if config.normalize_observations else None
+        self._delta_rows: list[np.ndarray] = []  # observations not yet in _obs_delta
         self._obs: np.ndarray | None = None
         self._ep_ret = np.zeros(n)
         self._ep_len = np.zeros(n, np.int64)
@@ -202,7 +207,8 @@ class EnvRunner(Worker):
             for i in range(self.config.num_envs_per_env_runner)
         ]
         fns = [self._env_fn(ctx) for ctx in self._contexts]
-        self.env = SyncVectorEnv(fns, autoreset_mode=AutoresetMode.SAME_STEP)
+        # It reuses its observation buffer: the runner keeps only normalised copies.
+        self.env = SameStepVectorEnv(fns)
         self._sub_envs = [e.env for e in self.env.envs]  # as built, without NoStepInfo
         seed = None if self.config.seed is None else self.config.seed + self.worker_index
         if seed is not None:
@@ -378,12 +384,18 @@ class EnvRunner(Worker):
     def _normalize(self, obs: np.ndarray, update: bool) -> np.ndarray:
         self._check_finite(obs)
         if self._obs_rms is None:
-            return np.asarray(obs, np.float32)
+            return np.array(obs, np.float32)  # a copy: the vector env reuses its buffer
         if update and self._update_norm:
-            moments = batch_moments(obs)
-            self._obs_rms.merge_moments(*moments)
-            self._obs_delta.merge_moments(*moments)
+            self._obs_rms.merge_moments(*batch_moments(obs))
+            self._delta_rows.append(obs.copy())
         return self._obs_rms.normalize(obs)
+
+    def _merge_delta(self) -> None:
+        """Fold the observations of this sample call into the delta, once per call: it is
+        read only between calls, and one merge of many rows costs what one of a step does."""
+        if self._delta_rows:
+            self._obs_delta.merge_moments(*batch_moments(np.concatenate(self._delta_rows)))
+            self._delta_rows.clear()
 
     def get_connector_state(self) -> dict[str, Any]:
         """The normaliser's statistics seen since the last sync (``obs_norm_delta``) and in all."""
@@ -492,6 +504,8 @@ class EnvRunner(Worker):
             # The envs may be mid-step: the next call starts from fresh episodes.
             self._needs_reset = True
             raise
+        finally:
+            self._merge_delta()
         batch["weights_version"] = self.weights_version
         batch["worker_index"] = self.worker_index
         batch["sample_time_s"] = time.perf_counter() - t0
@@ -509,7 +523,8 @@ class EnvRunner(Worker):
 
     def _env_action(self, a: np.ndarray) -> np.ndarray:
         if isinstance(self.action_space, gym.spaces.Box):
-            return np.clip(a, self.action_space.low, self.action_space.high)
+            # np.clip's Python dispatch costs more than the two ufuncs on a few rows.
+            return np.minimum(np.maximum(a, self.action_space.low), self.action_space.high)
         return a
 
     def _value(self, policy: torch.nn.Module, nobs: np.ndarray) -> np.ndarray | None:
@@ -523,6 +538,8 @@ class EnvRunner(Worker):
     ) -> np.ndarray:
         self._ep_ret += rewards
         self._ep_len += 1
+        if not done.any():
+            return _NONE
         idx = np.flatnonzero(done)
         for i in idx:
             returns.append(float(self._ep_ret[i]))

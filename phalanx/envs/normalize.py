@@ -40,11 +40,12 @@ class RunningMeanStd:
         """Fold in the statistics of another set of ``count`` samples."""
         if count <= 0:
             return
-        delta = mean - self.mean
         total = self.count + count
-        new_mean = self.mean + delta * count / total
-        m2 = self.var * self.count + var * count + delta**2 * self.count * count / total
-        self.mean, self.var, self.count = new_mean, m2 / total, total
+        w_old, w_new = self.count / total, count / total
+        delta = mean - self.mean
+        self.mean = self.mean + delta * w_new
+        self.var = self.var * w_old + var * w_new + delta * delta * (w_old * w_new)
+        self.count = total
 
     def merge(self, other: RunningMeanStd | dict[str, Any]) -> None:
         """Fold in another instance (or its ``get_state()``)."""
@@ -52,8 +53,9 @@ class RunningMeanStd:
         self.merge_moments(np.asarray(st["mean"]), np.asarray(st["var"]), float(st["count"]))
 
     def normalize(self, x: np.ndarray, clip: float = 10.0) -> np.ndarray:
-        out = (x - self.mean) / np.sqrt(self.var + 1e-8)
-        return np.clip(out, -clip, clip).astype(np.float32)
+        out = x - self.mean
+        out /= np.sqrt(self.var + 1e-8)
+        return out.clip(-clip, clip, out=out).astype(np.float32)
 
     def get_state(self) -> dict[str, Any]:
         return {"mean": self.mean.copy(), "var": self.var.copy(), "count": self.count}

@@ -135,9 +135,10 @@ class ActorCritic(nn.Module):
         then)."""
         if type(self).act is not ActorCritic.act:
             return None
-        params = [t for m in self._linears for t in (m.weight, m.bias)]
+        # Each layer's own registry: nn.Module.__getattr__ would cost a quarter of the forward.
+        params = [t for m in self._linears for t in m._parameters.values()]
         if not self.discrete:
-            params.append(self.log_std)
+            params.append(self._parameters["log_std"])
         arrays = self._numpy_views(params)
         if arrays is None:
             return None
