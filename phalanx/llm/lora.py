@@ -24,9 +24,10 @@ out of ``match_all_linear``/``exclude_modules`` with a warning and refused when 
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -282,6 +283,24 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> Any:
         if settings.dropout > 0 and settings.dropout_position == "post":
             layer.lora_B[ADAPTER].register_forward_hook(_post_dropout(settings.dropout))
     return peft_model
+
+
+@contextlib.contextmanager
+def disabled_adapters(peft_model: Any) -> Iterator[None]:
+    """peft's ``disable_adapter()`` (the base model's outputs), with the adapters still
+    marked trainable inside the block.
+
+    peft also turns the adapters' ``requires_grad`` off there. FSDP2 reads ``requires_grad``
+    at its lazy initialisation (the model's first forward) to choose the dtype it casts
+    reduced gradients to; if that forward is the reference model's, it would choose none,
+    and with bf16 compute the first backward then fails assigning bf16 gradients to the
+    float32 adapters.
+    """
+    with peft_model.disable_adapter():
+        for name, p in peft_model.named_parameters():
+            if is_adapter_parameter(name):
+                p.requires_grad_(True)
+        yield
 
 
 def _post_dropout(p: float) -> Any:

@@ -44,7 +44,7 @@ from phalanx.llm.fsdp_state import (
     unshard_fsdp2_model,
 )
 from phalanx.llm.logprobs import chosen_token_logprobs
-from phalanx.llm.lora import load_adapters, save_adapters
+from phalanx.llm.lora import disabled_adapters, load_adapters, save_adapters
 from phalanx.llm.loss import (
     LossFunction,
     LossType,
@@ -540,7 +540,7 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
         """Swap the reference weights into the model in place; swap back afterwards.
         With LoRA: disable the adapters inside the block."""
         if self.peft_model is not None:
-            with self.peft_model.disable_adapter():
+            with disabled_adapters(self.peft_model):
                 yield
             return
         if self.reference_model_state_dict is None:

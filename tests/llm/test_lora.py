@@ -16,6 +16,7 @@ from phalanx.llm.lora import (
     adapter_factors,
     apply_lora,
     base_state_dict,
+    disabled_adapters,
     is_adapter_parameter,
     load_adapters,
     lora_layers,
@@ -391,6 +392,59 @@ def test_save_and_load_adapters_round_trip(model_path, tmp_path):
         match=r"\(dim=4, alpha=8, 4 layers\) do not fit this lora_cfg \(dim=8, alpha=32",
     ):
         load_adapters(other, str(tmp_path / "adapters"))
+
+
+def _bf16_after_reference(rank: int, init_file: str, model_path: str, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from phalanx.llm.parallelize import apply_fsdp
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=1)
+    try:
+        peft_model = apply_lora(_model(model_path), _settings(match_all_linear=True))
+        model = peft_model.get_base_model()
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        apply_fsdp(model, init_device_mesh("cpu", (1,)), policy)
+        ids = torch.randint(
+            0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0)
+        )
+        with torch.no_grad(), disabled_adapters(peft_model):
+            ref = model(input_ids=ids).logits.float()
+        model(input_ids=ids).logits.float().logsumexp(-1).sum().backward()
+        trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        torch.save(
+            {
+                "ref_finite": bool(torch.isfinite(ref).all()),
+                "trainable": sorted(trainable),
+                "grad_dtypes": {p.grad.dtype for p in trainable.values()},
+                "frozen_grads": [
+                    n
+                    for n, p in model.named_parameters()
+                    if not p.requires_grad and p.grad is not None
+                ],
+            },
+            out,
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bf16_adapters_train_when_the_first_forward_is_the_reference_models(model_path, tmp_path):
+    """GRPO's order: the reference log-probs (adapters disabled) come before any training.
+    FSDP2 picks the dtype of reduced gradients at the model's first forward from the
+    parameters that require grad; peft's ``disable_adapter()`` alone turns that off, and
+    the first bf16 backward then fails assigning bf16 gradients to float32 adapters."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "out.pt")
+    mp.spawn(_bf16_after_reference, args=(str(tmp_path / "pg"), model_path, out), nprocs=1)
+    got = torch.load(out)
+    assert got["ref_finite"]
+    assert got["trainable"] and all(is_adapter_parameter(n) for n in got["trainable"])
+    assert got["grad_dtypes"] == {torch.float32}
+    assert got["frozen_grads"] == []
 
 
 def _sharded_merge(rank: int, world: int, init_file: str, model_path: str, out: str) -> None:
