@@ -62,13 +62,13 @@ def test_steps_equal_the_librarys(env_id, kwargs, finishes):
     theirs.close()
 
 
+def _pendulum() -> gym.Env:
+    return gym.make("Pendulum-v1", disable_env_checker=True)
+
+
 def test_observations_come_in_the_reused_buffer():
     """``copy=False``, as the library's: the next step overwrites what a step returned."""
-
-    def make():
-        return gym.make("Pendulum-v1", disable_env_checker=True)
-
-    env = SameStepVectorEnv([make] * 2)
+    env = SameStepVectorEnv([_pendulum] * 2)
     env.reset(seed=0)
     first = env.step(np.zeros((2, 1), np.float32))[0]
     kept = first.copy()
@@ -79,10 +79,7 @@ def test_observations_come_in_the_reused_buffer():
 
 
 def test_a_wrong_number_of_actions_is_refused():
-    def make():
-        return gym.make("Pendulum-v1", disable_env_checker=True)
-
-    env = SameStepVectorEnv([make] * 2)
+    env = SameStepVectorEnv([_pendulum] * 2)
     env.reset(seed=0)
     with pytest.raises(ValueError, match="actions: 3 rows for 2 sub-envs"):
         env.step(np.zeros((3, 1), np.float32))
