@@ -126,6 +126,7 @@ def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 _NONE = np.zeros(0, np.int64)  # no sub-env finished in a step
+_DELTA_ROWS = 256  # steps whose observations wait for one merge into the normaliser's delta
 
 
 class NoStepInfo(gym.Wrapper):
@@ -388,11 +389,14 @@ class EnvRunner(Worker):
         if update and self._update_norm:
             self._obs_rms.merge_moments(*batch_moments(obs))
             self._delta_rows.append(obs.copy())
+            if len(self._delta_rows) == _DELTA_ROWS:
+                self._merge_delta()
         return self._obs_rms.normalize(obs)
 
     def _merge_delta(self) -> None:
-        """Fold the observations of this sample call into the delta, once per call: it is
-        read only between calls, and one merge of many rows costs what one of a step does."""
+        """Fold the observations kept since the last merge into the delta: at the end of a
+        sample call (it is read only between calls) and every ``_DELTA_ROWS`` steps (so a
+        long call keeps few); one merge of many rows costs what one of a step does."""
         if self._delta_rows:
             self._obs_delta.merge_moments(*batch_moments(np.concatenate(self._delta_rows)))
             self._delta_rows.clear()

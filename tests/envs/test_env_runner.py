@@ -154,6 +154,39 @@ def test_normaliser_connector_state_delta():
     assert r.get_connector_state()["obs_norm"]["count"] == frozen["count"]
 
 
+def test_normaliser_delta_holds_the_moments_of_every_observation_the_policy_saw():
+    """One call of 300 steps (its observations reach the delta in more than one merge) and
+    a second call: the delta is exactly the moments of the observations fed to the
+    policy, and the global statistics are those folded into the initial ones."""
+    seen: dict[int, list[np.ndarray]] = {}
+
+    def creator(ctx: EnvContext) -> gym.Env:
+        env = gym.make("Pendulum-v1", max_episode_steps=10_000)  # no episode ends here
+        rows = seen.setdefault(ctx.vector_index, [])
+
+        def record(o):
+            rows.append(np.array(o))
+            return o
+
+        return gym.wrappers.TransformObservation(env, record, env.observation_space)
+
+    cfg = EnvRunnerGroupConfig(num_envs_per_env_runner=2, seed=0, normalize_observations=True)
+    r = EnvRunner(cfg, env_creator=creator, worker_index=0)
+    r.sample(num_timesteps=600)
+    r.sample(num_timesteps=20)
+    # Fed to the policy: each env's reset observation and every later one but the last.
+    fed = np.concatenate([np.stack(seen[i][:-1]) for i in (0, 1)]).astype(np.float64)
+    assert len(fed) == 620
+    st = r.get_connector_state()
+    assert st["obs_norm_delta"]["count"] == 620
+    np.testing.assert_allclose(st["obs_norm_delta"]["mean"], fed.mean(0), rtol=1e-12)
+    np.testing.assert_allclose(st["obs_norm_delta"]["var"], fed.var(0), rtol=1e-10)
+    expected = RunningMeanStd(fed.shape[1:])
+    expected.update(fed)
+    np.testing.assert_allclose(st["obs_norm"]["mean"], expected.mean, rtol=1e-10)
+    np.testing.assert_allclose(st["obs_norm"]["var"], expected.var, rtol=1e-10)
+
+
 def test_policies_state_and_contexts():
     r = _runner(2, normalize_observations=True)
     space = r.observation_space
