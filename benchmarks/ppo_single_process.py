@@ -6,7 +6,8 @@ The same hyperparameters (``PPOConfig.for_env``: TUNED plus overrides), network
 vector env of ``max(num_env_runners, 1) * num_envs_per_env_runner`` envs stepped in this
 process, ``rollout_fragment_length`` steps per update, so a batch has the same size and
 layout as phalanx's. It is the vector env a runner steps (``SameStepVectorEnv``, sub-envs
-without step infos) and the runners' forward, so the ratio compares runtimes only. Prints the time from process start to
+without step infos) and the runners' forward, so the ratio compares runtimes only. Prints
+the time from process start to
 ``stop_return`` (start-up included: interpreter, imports, env construction) and its
 wall-time breakdown, and a JSON summary as its last line. ``bench_ppo.py
 --vs-single-process`` runs it per seed beside ``phalanx train ppo`` and prints the ratio
