@@ -14,6 +14,7 @@ workers on 8 logical CPUs shows the pipeline's scheduling without the 2-core cei
 
     python benchmarks/bench_grpo_async.py --minutes 20              # the real measurement
     python benchmarks/bench_grpo_async.py --tiny --minutes 0.5      # a quick check
+    python benchmarks/bench_grpo_async.py --lora-rank 8             # the README's LoRA command
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ def _config(args: argparse.Namespace, mode: str, placement: str, run_dir: str, *
     )
     if args.tiny:
         return GRPOConfig.tiny(steps=10**6, warmup_steps=20, eval_every=5, **common)
+    lora = {"lora_rank": args.lora_rank, "lr": args.lr} if args.lora_rank else {}
     return GRPOConfig(model=args.model, task="addition", steps=10**6, eval_at_start=True,
-                      **common)  # fmt: skip
+                      **lora, **common)  # fmt: skip
 
 
 def _summary(hist: list[dict[str, Any]], evals: list[tuple[int, float]]) -> dict[str, float]:
@@ -104,6 +106,18 @@ def main() -> None:
         default=["shared", "disaggregated"],
         choices=["shared", "disaggregated"],
         help="which pairs of runs",
+    )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="LoRA rank for every run (0: full fine-tuning, the default config)",
+    )
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=2e-4,
+        help="learning rate with --lora-rank (the README's LoRA command's)",
     )
     parser.add_argument("--no-four", action="store_true",
                         help="skip the tiny 4-generation-worker run")  # fmt: skip
