@@ -151,3 +151,31 @@ def test_cluster_checks_its_arguments():
         px.Cluster(num_nodes=True)
     with pytest.raises(TypeError, match="timeout_s must be a number"):
         px.Cluster(timeout_s="1")
+
+
+def test_embedded_ray_runs_workers_at_nice_0_and_returns_sample_sized_results_inline():
+    # A 4-env x 256-step HalfCheetah batch is ~111 KiB, over Ray's 100 KiB default for
+    # returning a result in the reply; through the object store it costs the raylet and
+    # the caller a few ms a call, which two runners on 2 cores feel.
+    script = (
+        "import os, ray, numpy as np\n"
+        "from phalanx.resources.ray_start import start_ray\n"
+        "start_ray()\n"
+        "@ray.remote\n"
+        "def make(n):\n"
+        "    return os.nice(0), np.zeros(n, np.uint8)\n"
+        "for n in (200_000, 2_000_000):\n"
+        "    ref = make.remote(n)\n"
+        "    nice, arr = ray.get(ref)\n"
+        "    where = ray.experimental.get_object_locations([ref])[ref]['node_ids']\n"
+        "    print('RESULT', n, nice, arr.nbytes, len(where))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True,
+        timeout=150,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    results = [line.split()[1:] for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    # inline: in no node's object store; 2 MB: in this node's
+    assert results == [["200000", "0", "200000", "0"], ["2000000", "0", "2000000", "1"]]
