@@ -7,9 +7,8 @@ vector env of ``max(num_env_runners, 1) * num_envs_per_env_runner`` envs stepped
 process, ``rollout_fragment_length`` steps per update, so a batch has the same size and
 layout as phalanx's. It is the vector env a runner steps (``SameStepVectorEnv``, sub-envs
 without step infos) and the runners' forward, so the ratio compares runtimes only. Prints
-the time from process start to
-``stop_return`` (start-up included: interpreter, imports, env construction) and its
-wall-time breakdown, and a JSON summary as its last line. ``bench_ppo.py
+the time from process start to ``stop_return`` (start-up included: interpreter, imports,
+env construction) and its wall-time breakdown, and a JSON summary as its last line. ``bench_ppo.py
 --vs-single-process`` runs it per seed beside ``phalanx train ppo`` and prints the ratio
 (issue 25: <= 1.3x on the continuous task, <= 2x on CartPole).
 
