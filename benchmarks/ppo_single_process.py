@@ -8,9 +8,9 @@ process, ``rollout_fragment_length`` steps per update, so a batch has the same s
 layout as phalanx's. It is the vector env a runner steps (``SameStepVectorEnv``, sub-envs
 without step infos) and the runners' forward, so the ratio compares runtimes only. Prints
 the time from process start to ``stop_return`` (start-up included: interpreter, imports,
-env construction) and its wall-time breakdown, and a JSON summary as its last line. ``bench_ppo.py
---vs-single-process`` runs it per seed beside ``phalanx train ppo`` and prints the ratio
-(issue 25: <= 1.3x on the continuous task, <= 2x on CartPole).
+env construction) and its wall-time breakdown, and a JSON summary as its last line.
+``bench_ppo.py --vs-single-process`` runs it per seed beside ``phalanx train ppo`` and
+prints the ratio (issue 25: <= 1.3x on the continuous task, <= 2x on CartPole).
 
     python benchmarks/ppo_single_process.py --env HalfCheetah-v5 --seed 1 [--stop-return R]
 """
