@@ -58,6 +58,7 @@ from phalanx.algorithms.grpo_workers import (
     set_worker_lr,
     thread_shares,
 )
+from phalanx.algorithms.phase_threads import PhaseThreads, follow_phase_threads
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -262,6 +263,7 @@ def train(
     }
     generation = None
     rollouts: Any = None
+    phase: PhaseThreads | None = None
     refitter: Any = None
     metrics = MetricsLogger(cfg.run_dir, use_wandb=cfg.wandb)
     history: list[dict[str, Any]] = []
@@ -281,6 +283,12 @@ def train(
         pg = policy.worker_group
         place_group(pg, policy_threads, policy_cpus)
         place_group(generation, None, gen_cpus)  # its threads are in gen_cfg
+        if cfg.async_grpo and cfg.placement != "disaggregated" and not cfg.num_threads:
+            # every core for the policy while no generation batch runs (phase_threads)
+            idle = max(1, len(os.sched_getaffinity(0)) // cfg.num_policy_workers)
+            phase = PhaseThreads(busy=policy_threads, idle=idle)
+            calls = [(r, (phase.path,), {}) for r in range(pg.world_size)]
+            pg.apply(follow_phase_threads, calls, label="follow_threads").wait(timeout=60)
         # Overlapping phases: the generators' memory is not a phase's (not measured).
         memory = PhaseMemory(
             {"policy": pg} if cfg.async_grpo else {"policy": pg, "generation": generation}
@@ -325,9 +333,16 @@ def train(
         def evaluate(step: int) -> dict[str, Any]:
             with bar.waiting(f"held-out evaluation ({len(task.heldout)} problems, greedy)"):
                 t = time.perf_counter()
-                row, samples = evaluate_accuracy(
-                    generation, tokenizer, task, cfg.system_prompt, cfg.generation_timeout_s
-                )
+                if phase is not None:  # async, shared: nothing else runs, every core
+                    every = len(os.sched_getaffinity(0)) // cfg.num_generation_workers
+                    place_group(generation, max(1, every), None)
+                try:
+                    row, samples = evaluate_accuracy(
+                        generation, tokenizer, task, cfg.system_prompt, cfg.generation_timeout_s
+                    )
+                finally:
+                    if phase is not None:
+                        place_group(generation, gen_threads, None)
                 if tiny_pairs is not None:
                     row["p_correct"] = answer_probability(policy, tokenizer, tiny_pairs)
                     p_correct.append((step, row["p_correct"]))
@@ -354,6 +369,7 @@ def train(
                 max_trajectory_age_steps=cfg.max_trajectory_age_steps,
                 max_generation_failures=cfg.max_generation_failures,
                 start_version=start_step, timeout_s=cfg.generation_timeout_s,
+                on_generating=phase.generating if phase is not None else None,
             )  # fmt: skip
         else:
             rollouts = SyncRollouts(make_batch, refitter.refit, memory)
@@ -373,34 +389,28 @@ def train(
                 ]
                 data["generation_is_current"] = (traj["version"] == step - 1).float()
 
-            # Async and shared, the two sides take turns on every core: no generation batch
-            # runs during the trainer's log-probs and training (docs/grpo.md, Threads).
-            turn = contextlib.ExitStack()
-            if cfg.async_grpo and cfg.placement == "shared":
-                info["time/training_wait"] += turn.enter_context(rollouts.paused())
-            with turn:
-                # 6. log-probs: the old policy's only when several updates share a batch; the
-                #    reference's only when the KL penalty is on
-                t1 = time.perf_counter()
-                memory.reset()
-                with bar.waiting("log-probs"):
-                    if not on_policy:
-                        own = policy.get_logprobs(data)["logprobs"]
-                        data["prev_logprobs"] = behaviour_logprobs(own, data)
-                    if cfg.kl_beta > 0:
-                        data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(
-                            data
-                        )["reference_logprobs"]
-                times["logprobs"] = time.perf_counter() - t1
-                if not on_policy or cfg.kl_beta > 0:
-                    mem["logprobs"] = memory.peak()
+            # 6. log-probs: the old policy's only when several updates share a batch; the
+            #    reference's only when the KL penalty is on
+            t1 = time.perf_counter()
+            memory.reset()
+            with bar.waiting("log-probs"):
+                if not on_policy:
+                    own = policy.get_logprobs(data)["logprobs"]
+                    data["prev_logprobs"] = behaviour_logprobs(own, data)
+                if cfg.kl_beta > 0:
+                    data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)[
+                        "reference_logprobs"
+                    ]
+            times["logprobs"] = time.perf_counter() - t1
+            if not on_policy or cfg.kl_beta > 0:
+                mem["logprobs"] = memory.peak()
 
-                # 7. policy-gradient step(s)
-                t2 = time.perf_counter()
-                memory.reset()
-                with bar.waiting("training"):
-                    out = policy.train(data, loss_fn)
-                times["training"] = time.perf_counter() - t2
+            # 7. policy-gradient step(s)
+            t2 = time.perf_counter()
+            memory.reset()
+            with bar.waiting("training"):
+                out = policy.train(data, loss_fn)
+            times["training"] = time.perf_counter() - t2
             mem["training"] = memory.peak()
             if on_training is not None:
                 t_hook = time.perf_counter()
@@ -477,6 +487,8 @@ def train(
         policy.worker_group.shutdown(cleanup_method="shutdown", timeout=grace_s)
         if isinstance(rollouts, AsyncRollouts):
             rollouts.join(grace_s)
+        if phase is not None:
+            phase.close()
     from phalanx.observe.metrics import read_metrics
     from phalanx.observe.plots import plot_learning_curve
 

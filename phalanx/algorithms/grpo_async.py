@@ -53,7 +53,8 @@ class AsyncRollouts:
     """Rollouts produced ahead of the trainer by a collector thread (see the module doc).
 
     ``make_batch()`` runs one rollout on the generation group; ``refit()`` brings the
-    generators to the policy's next version.
+    generators to the policy's next version; ``on_generating(True/False)`` is told when a
+    batch starts and ends (the cores follow the phase: :mod:`phase_threads`).
     """
 
     def __init__(
@@ -66,8 +67,10 @@ class AsyncRollouts:
         max_generation_failures: int = 0,
         start_version: int = 0,
         timeout_s: float = 1800.0,
+        on_generating: Callable[[bool], None] | None = None,
     ) -> None:
         self._make_batch, self._refit, self.generation = make_batch, refit, generation
+        self._on_generating = on_generating or (lambda on: None)
         self.max_age = max_trajectory_age_steps
         self.max_failures = max_generation_failures
         self.timeout_s = timeout_s
@@ -104,11 +107,13 @@ class AsyncRollouts:
                     if self._stopped:
                         return
                     self._generating, version = True, self.version
+                self._on_generating(True)
                 try:
                     batch, error = self._make_batch(), None
                 except (WorkerError, RayError) as e:
                     batch, error = None, e
                 finally:
+                    self._on_generating(False)
                     with self._cv:
                         self._generating = False
                         self._cv.notify_all()

@@ -127,18 +127,20 @@ def pin_to_cpus(worker: Any, cpus: list[int]) -> list[int]:
 
 def thread_shares(cfg: Any) -> tuple[int, int, list[int] | None, list[int] | None]:
     """Torch threads of each policy and generation worker, and the CPUs each role is
-    pinned to (None: not pinned). Shared, the roles take turns (synchronous phases, or
-    asynchronous ones that pause the collector while the trainer computes), so each takes
-    every core; disaggregated, each role is pinned to half of them, the policy the first."""
+    pinned to (None: not pinned). Phases that do not overlap (synchronous, shared) each
+    take every core; overlapping ones (asynchronous) or pinned ones (disaggregated) get
+    half of them each, the policy the first half. Asynchronous and shared, the policy's
+    count is the one while a batch is generated: it takes every core while none is
+    (:mod:`phalanx.algorithms.phase_threads`)."""
     import os
 
     cpus = sorted(os.sched_getaffinity(0))
     half = max(1, len(cpus) // 2)
-    split = cfg.placement == "disaggregated"
+    split = cfg.async_grpo or cfg.placement == "disaggregated"
     policy_share, gen_share = (half, len(cpus) - half) if split else (len(cpus), len(cpus))
     policy_threads = cfg.num_threads or max(1, policy_share // cfg.num_policy_workers)
     gen_threads = cfg.num_threads or max(1, gen_share // cfg.num_generation_workers)
-    if not split:
+    if cfg.placement != "disaggregated":
         return policy_threads, gen_threads, None, None
     return policy_threads, gen_threads, cpus[:half], cpus[half:] or cpus[:half]
 

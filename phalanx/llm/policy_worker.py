@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -176,6 +176,7 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
             self.load_checkpoint(weights_path, optimizer_path if init_optimizer else None)
         self._init_refit_state()
         self._init_device_info()
+        self._microbatch_hooks: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ setup
     def _init_process_group(self) -> None:
@@ -340,6 +341,11 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
             )
         return [data.slice(s, s + local_gbs) for s in range(0, data.size, local_gbs)]
 
+    def add_microbatch_hook(self, hook: Callable[[], None]) -> None:
+        """Call ``hook()`` before every training micro-batch (e.g. to follow a thread
+        share that changes while a ``train`` call runs)."""
+        self._microbatch_hooks.append(hook)
+
     def _clear_cache_step(self, i: int) -> None:
         n = (self.cfg.get("dtensor_cfg") or {}).get("clear_cache_every_n_steps")
         if n and i % n == 0:
@@ -409,6 +415,8 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
             gb_loss = torch.zeros((), device=self.device)
             for i in range(n_mb):
                 self._clear_cache_step(i)
+                for hook in self._microbatch_hooks:
+                    hook()
                 if hasattr(self.model, "set_requires_gradient_sync"):
                     self.model.set_requires_gradient_sync(i == n_mb - 1 or not defer_sync)
                 with torch.set_grad_enabled(not eval_mode), contextlib.ExitStack() as stack:

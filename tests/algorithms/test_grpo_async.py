@@ -20,11 +20,12 @@ from phalanx.algorithms.grpo import GRPOConfig, _defaults, cli, train
 from phalanx.algorithms.grpo_async import AsyncRollouts, GenerationFailedError
 from phalanx.algorithms.grpo_config import expand_async_grpo
 from phalanx.algorithms.grpo_loss import OnPolicyPGLossFn, behaviour_logprobs
+from phalanx.algorithms.phase_threads import FollowThreads, PhaseThreads
 from phalanx.algorithms.trajectory_buffer import TrajectoryBuffer
+from phalanx.comm.shm import reap_orphans
 from phalanx.data import BatchedDataDict
 from phalanx.llm.loss import ClippedPGLossConfig, token_logprobs
 from phalanx.llm.policy_config import ConfigError
-from phalanx.observe import trace
 from tests.helpers import until
 
 
@@ -177,35 +178,11 @@ def _our_actors() -> list[str]:
     ]
 
 
-def _worker_spans(events: list[dict], names: tuple[str, ...]) -> list[tuple[float, float]]:
-    """(start, end) in µs of the traced worker-side calls named ``names``."""
-    return [
-        (e["ts"], e["ts"] + e["dur"])
-        for e in events
-        if e.get("cat") == "call" and e.get("ph") == "X" and e["name"] in names
-    ]
-
-
 @pytest.mark.timeout(400)
 def test_async_run_trains_on_current_or_previous_versions(cluster, tmp_path):
     before = set(os.listdir("/dev/shm"))
     run_dir = str(tmp_path / "run")
-    path = trace.enable(tmp_path / "trace.json")
-    try:
-        hist = train(_tiny_async(run_dir), cluster)["history"]
-        trace.dump(path)
-    finally:
-        trace.disable()
-    # Shared placement: the sides take turns, so no generation call ran on a generation
-    # worker while the policy computed log-probs or trained (1 ms: the processes' clocks).
-    events = trace.load(path)
-    generating = _worker_spans(events, ("generate",))
-    training = _worker_spans(events, ("train", "get_reference_policy_logprobs"))
-    assert len(generating) >= 5 and len(training) == 10
-    overlaps = [
-        (g, t) for g in generating for t in training if g[0] < t[1] - 1e3 and t[0] < g[1] - 1e3
-    ]
-    assert overlaps == []
+    hist = train(_tiny_async(run_dir), cluster)["history"]
     assert [h["step"] for h in hist] == [1, 2, 3, 4, 5]
     for h in hist:  # step s trains at policy version s - 1, on version s - 1 or s - 2
         assert h["async/trajectory_version"] in (max(h["step"] - 2, 0), h["step"] - 1), h
@@ -263,6 +240,36 @@ def test_generation_worker_killed_mid_run_within_and_beyond_max_failures(cluster
     killer.join(5)
     assert killed
     assert until(lambda: not _our_actors(), 30), _our_actors()
+
+
+def test_policy_threads_follow_the_generation_phase():
+    """The policy's torch threads: its share while a batch is generated, every core while
+    none is; the file goes with close() and the worker keeps its count then."""
+    before = set(os.listdir("/dev/shm"))
+    start = torch.get_num_threads()
+    phase = PhaseThreads(busy=1, idle=2)
+    follow = FollowThreads(phase.path)
+    try:
+        assert os.path.basename(phase.path) in set(os.listdir("/dev/shm")) - before
+        # a restarted worker reaps dead processes' segments: never a live run's file
+        assert phase.path not in reap_orphans() and os.path.exists(phase.path)
+        follow()
+        assert torch.get_num_threads() == 1  # the collector starts with a batch
+        phase.generating(False)
+        follow()
+        assert torch.get_num_threads() == 2
+        phase.generating(True)
+        follow()
+        assert torch.get_num_threads() == 1
+        phase.close()
+        follow()
+        assert torch.get_num_threads() == 1
+        assert _leaked_segments(before) == []
+        with pytest.raises(ValueError, match="busy must be an int >= 1"):
+            PhaseThreads(busy=0, idle=2)
+    finally:
+        phase.close()
+        torch.set_num_threads(start)
 
 
 class _Generator(px.Worker):
