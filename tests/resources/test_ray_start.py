@@ -161,8 +161,9 @@ def test_embedded_ray_runs_workers_at_nice_0_and_returns_sample_sized_results_in
     # deadline) until the 2 MB result is located; the 200 kB one, made first, would have
     # been reported by then had it gone to the store.
     script = (
-        "import os, time, ray, numpy as np\n"
+        "import os, ray, numpy as np\n"
         "from phalanx.resources.ray_start import start_ray\n"
+        "from tests.helpers import until\n"
         "start_ray()\n"
         "@ray.remote\n"
         "def make(n):\n"
@@ -174,9 +175,7 @@ def test_embedded_ray_runs_workers_at_nice_0_and_returns_sample_sized_results_in
         "    print('GOT', n, nice, arr.nbytes)\n"
         "def nodes(ref):\n"
         "    return len(ray.experimental.get_object_locations([ref])[ref]['node_ids'])\n"
-        "deadline = time.monotonic() + 60\n"
-        "while nodes(refs[2_000_000]) == 0 and time.monotonic() < deadline:\n"
-        "    time.sleep(0.05)\n"
+        "until(lambda: nodes(refs[2_000_000]) > 0, 60)\n"
         "print('WHERE', nodes(refs[200_000]), nodes(refs[2_000_000]))\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
