@@ -7,8 +7,6 @@ ordinary ``from_pretrained`` path, as it would a downloaded checkpoint.
 
 The task is single-digit addition: the prompt ``"7+5="`` has the answer ``"12"``
 followed by the end-of-sequence token. The reward is 1 for the exact answer, else 0.
-There are only 100 prompts, so ``all_prompts`` lets a run measure the probability of the
-exact answer on every one of them: a noise-free view of the expected reward.
 """
 
 from __future__ import annotations
@@ -106,19 +104,6 @@ class AdditionTask:
             a, b = self.rng.randint(0, self.max_digit), self.rng.randint(0, self.max_digit)
             out.append((f"{a}+{b}=", str(a + b)))
         return out
-
-    def all_prompts(self) -> list[tuple[str, str]]:
-        """Every (prompt, answer) pair of the task, in a fixed order."""
-        return [
-            (f"{a}+{b}=", str(a + b))
-            for a in range(self.max_digit + 1)
-            for b in range(self.max_digit + 1)
-        ]
-
-    @staticmethod
-    def reward(response: str, answer: str) -> float:
-        """1.0 for exactly the answer (the text before the end token), else 0.0."""
-        return 1.0 if response.strip() == answer else 0.0
 
 
 def encode_prompts(tokenizer, prompts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:

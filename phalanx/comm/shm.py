@@ -53,11 +53,6 @@ _created: set[str] = set()
 _created_lock = threading.Lock()
 
 
-def shm_supported() -> bool:
-    """True where a tmpfs ``/dev/shm`` exists (Linux)."""
-    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
-
-
 def shm_free_bytes() -> int | None:
     """Bytes free in ``/dev/shm`` for this process (None where it cannot be read)."""
     try:

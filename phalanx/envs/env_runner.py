@@ -110,10 +110,6 @@ def make_env(
     return gym.make(config.env, disable_env_checker=True, **config.env_config)
 
 
-def spaces_of(env: gym.Env) -> tuple[gym.Space, gym.Space]:
-    return env.observation_space, env.action_space
-
-
 def _tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     """A state dict of arrays or tensors as tensors, without copying.
 

@@ -28,7 +28,6 @@ from phalanx.group.results import unwrap_error
 from phalanx.resources.cluster import NAMESPACE, Cluster, find_free_port
 from phalanx.resources.placement import Placement, WorkerSlot
 from phalanx.resources.strategies import PlacementStrategy
-from phalanx.resources.virtual_cluster import RayVirtualCluster
 from phalanx.worker.builder import RayWorkerBuilder, allowlisted_env, pool_environ
 from phalanx.worker.worker import WorkerContext
 
@@ -538,10 +537,6 @@ def _init_error(group: str, rank: int, e: BaseException) -> BaseException:
     if isinstance(err, WorkerError) and not err.remote_traceback:
         err = WorkerError(group, rank, "__init__", cause, err.cause_type, err.message)
     return err
-
-
-def is_virtual_cluster(cluster: Any) -> bool:
-    return isinstance(cluster, RayVirtualCluster)
 
 
 __all__ = ["Roster", "Spawned", "WorkerRank", "bundle_indices_for", "check_resources"]
