@@ -63,6 +63,10 @@ def _summary(hist: list[dict[str, Any]], evals: list[tuple[int, float]]) -> dict
         "generation_wait_s": mean("time/generation_wait"),
         "generation_s": mean("time/generation"),
         "training_s": mean("time/training"),
+        # tokens trained per step and their rate: a longer training phase from more tokens
+        # (older batches' longer answers) against one from slower tokens (contention)
+        "train_tokens": mean("train/tokens"),
+        "train_tokens_per_s": mean("throughput/train_tokens_per_s"),
         "trajectory_age": mean("async/trajectory_age_mean"),
         "eval_accuracy": evals[-1][1] if evals else float("nan"),
     }
