@@ -152,10 +152,6 @@ class Endpoint(Receiving, Sending, Liveness):
         """The endpoint ``peer`` announces in Ray's KV store now (None if none)."""
         return announced(peer)
 
-    def peer_info(self, peer: str) -> PeerInfo | None:
-        conn = self.out_conns.get(peer)
-        return conn.info if conn is not None else None
-
     def close(self) -> None:
         if self.closed:
             return

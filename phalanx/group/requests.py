@@ -30,10 +30,6 @@ class AsyncSubmission:
     sent: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
 
-    @property
-    def num_sent(self) -> int:
-        return len(self.sent)
-
     def __int__(self) -> int:
         return len(self.sent)
 

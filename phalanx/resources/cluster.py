@@ -209,11 +209,6 @@ class Cluster:
         return f"Cluster(nodes={self.num_nodes}, gpus={self.num_gpus})"
 
 
-def ensure_cluster(cluster: Cluster | None = None) -> Cluster:
-    """The given cluster, or one wrapping the current (or a new embedded) Ray."""
-    return cluster if cluster is not None else Cluster()
-
-
 def find_free_port(
     node_ip: str | None = None,
     node_id: str | None = None,

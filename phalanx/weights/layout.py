@@ -9,7 +9,7 @@ simply spans several buckets.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,10 +183,6 @@ def unpack_range(
         lo, hi = max(start, spec.offset), min(end, spec.offset + spec.nbytes)
         if lo < hi:
             as_bytes(dst)[lo - spec.offset : hi - spec.offset].copy_(src[lo - start : hi - start])
-
-
-def iter_bucket_ranges(layout: Layout, bucket_bytes: int) -> Iterator[tuple[int, int]]:
-    yield from layout.buckets(bucket_bytes)
 
 
 def views(flat: torch.Tensor, layout: Layout, base: int = 0) -> dict[str, torch.Tensor]:

@@ -190,11 +190,6 @@ def version_op(worker: Any) -> int:
     return receiver_state(worker).version
 
 
-def validate_op(worker: Any, layout: Layout) -> bool:
-    validate(target_tensors(module_of(worker)), layout)
-    return True
-
-
 collective_join_op = collective.join  # run on a worker: join the sender's weights group
 
 
