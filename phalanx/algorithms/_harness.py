@@ -57,11 +57,10 @@ def exit_codes_help() -> str:
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM arrived; ``exit_code`` is 130 or 143."""
+    """SIGINT or SIGTERM arrived (its name is the message)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
-        self.exit_code = 128 + signum
 
 
 # ------------------------------------------------------------------ flags and config files
@@ -191,12 +190,15 @@ def tracing(enabled: bool, run_dir: Path) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _signals_interrupt() -> Iterator[None]:
-    """SIGINT and SIGTERM raise :class:`Interrupted` in the main thread (phalanx's Ray
-    start keeps these handlers; a Ray started elsewhere by plain ``ray.init`` installs its
-    own SIGTERM handler, which raises ``SystemExit(15)``: handled as SIGTERM too)."""
+def _signals_interrupt(received: list[int]) -> Iterator[None]:
+    """SIGINT and SIGTERM raise :class:`Interrupted` in the main thread and are appended to
+    ``received``: inside ``ray.get`` Ray replaces whatever a handler raises with a plain
+    ``KeyboardInterrupt``, so the list is what still tells which signal came. (phalanx's
+    Ray start keeps these handlers; a Ray started elsewhere by plain ``ray.init`` installs
+    its own SIGTERM handler, which raises ``SystemExit(15)``: handled as SIGTERM too.)"""
 
     def handler(signum: int, frame: Any) -> None:
+        received.append(signum)
         raise Interrupted(signum)
 
     if threading.current_thread() is not threading.main_thread():
@@ -234,12 +236,13 @@ def run_command(prog: str, config_cls: type, run_dir: Path, body: Callable[[], i
     import ray
 
     existed, ray_was_up = run_dir.exists(), ray.is_initialized()
-    message = ""
+    message, received = "", []
     try:
-        with _signals_interrupt():
+        with _signals_interrupt(received):
             code = body()
-    except Interrupted as e:
-        code, message = e.exit_code, f"interrupted by {e}"
+    except KeyboardInterrupt:  # Interrupted, or what Ray raised for it inside ray.get
+        signum = signal.Signals(received[-1] if received else signal.SIGINT)
+        code, message = 128 + signum, f"interrupted by {signum.name}"
     except SystemExit as e:
         if e.code != signal.SIGTERM:
             raise

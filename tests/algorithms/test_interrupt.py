@@ -95,3 +95,32 @@ def test_grpo_run_stops_on_ctrl_c(tmp_path):
     assert elapsed < 10, elapsed
     assert "interrupted by SIGINT" in err and f"{run} keeps " in err
     assert (run / "checkpoints").is_dir() and (run / "status.json").exists()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_that_arrives_inside_ray_get_is_named(cluster, tmp_path, capsys, sig, code):
+    """Ray replaces whatever a signal handler raises inside ``ray.get`` with a plain
+    ``KeyboardInterrupt``; the harness still exits with the status of the signal that came
+    (a real GRPO run spends most of its driver time in ``ray.get``)."""
+    import ray
+
+    from phalanx.algorithms import _harness as harness
+    from phalanx.algorithms.ppo import PPOConfig
+
+    @ray.remote(num_cpus=0)
+    def signal_the_driver(pid: int, sig: int) -> None:
+        os.kill(pid, sig)
+        time.sleep(60)  # still running: the driver is interrupted while it waits for it
+
+    ref = signal_the_driver.remote(os.getpid(), sig)
+
+    def body() -> int:
+        ray.get(ref, timeout=60)
+        raise AssertionError("the signal did not interrupt")
+
+    try:
+        assert harness.run_command("p", PPOConfig, tmp_path / "run", body) == code
+    finally:
+        ray.cancel(ref, force=True)
+    assert f"p: interrupted by {signal.Signals(sig).name}" in capsys.readouterr().err
