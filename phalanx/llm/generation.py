@@ -16,6 +16,7 @@ and ``input_lengths`` [B]. Output (right-padded to P + max_new_tokens):
 
 from __future__ import annotations
 
+import inspect
 import os
 from abc import ABC, abstractmethod
 from typing import Any
@@ -97,6 +98,10 @@ class HFGenerationWorker(Worker, GenerationInterface):
             self.device
         )
         self.model.eval()
+        # transformers 5 takes and returns the KV cache as ``cache``; ``past_key_values``,
+        # the name before it, is deprecated there
+        forward_args = inspect.signature(self.model.forward).parameters
+        self.cache_key = "cache" if "cache" in forward_args else "past_key_values"
         # Phases of an RL step do not overlap, so generation may use every core (a Ray actor
         # with one CPU otherwise gets a single torch thread).
         threads = self.cfg.get("num_threads") or os.cpu_count() or 1
@@ -175,7 +180,7 @@ class HFGenerationWorker(Worker, GenerationInterface):
             use_cache=True,
             logits_to_keep=1,
         )
-        cache = out.past_key_values
+        cache = getattr(out, self.cache_key)
         inv = inverse.to(dev)
         cache.batch_select_indices(inv)
         logits = out.logits[:, -1].float()[inv]
@@ -210,8 +215,8 @@ class HFGenerationWorker(Worker, GenerationInterface):
                 input_ids=tok[:, None],
                 attention_mask=attn,
                 position_ids=next_pos[:, None],
-                past_key_values=cache,
                 use_cache=True,
+                **{self.cache_key: cache},
             )
             next_pos = next_pos + 1
             logits = out.logits[:, -1].float()
