@@ -477,16 +477,20 @@ def train(
     finally:
         bar.close()
         metrics.close()
-        grace_s = 5.0 if failed else 60.0
+        deadline = time.monotonic() + (5.0 if failed else 60.0)  # for the whole clean-up
+
+        def grace_s() -> float:
+            return max(0.5, deadline - time.monotonic())
+
         if rollouts is not None:
             rollouts.close()
         if generation is not None:
-            generation.shutdown(timeout=grace_s)
+            generation.shutdown(timeout=grace_s())
         if refitter is not None:
             refitter.close()  # its shared-memory ring goes
-        policy.worker_group.shutdown(cleanup_method="shutdown", timeout=grace_s)
+        policy.worker_group.shutdown(cleanup_method="shutdown", timeout=grace_s())
         if isinstance(rollouts, AsyncRollouts):
-            rollouts.join(grace_s)
+            rollouts.join(grace_s())
         if phase is not None:
             phase.close()
     from phalanx.observe.metrics import read_metrics

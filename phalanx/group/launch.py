@@ -478,20 +478,48 @@ class Roster:
         return [WorkerRank(a, r) for r, a in enumerate(self.actors)]
 
 
+# A name lookup unanswered this long: Ray's node no longer answers (its raylet is gone).
+LOOKUP_STALL_S = 3.0
+
+
 def wait_names_free(names: list[str], timeout: float) -> list[str]:
-    """Block until no actor holds these names (or ``timeout``); returns those still held.
+    """Block until no actor holds these names (or ``timeout``); returns those not seen free.
 
     Each round asks about names only up to the first one still held: the cost is one
-    lookup per freed name plus one per round, not one per name per round.
+    lookup per freed name plus one per round, not one per name per round. The lookups
+    run on a daemon thread: with this node's raylet gone (a SIGTERM sent to the whole
+    job, as Slurm and ``timeout`` send it) a lookup blocks for good, so a lookup left
+    unanswered for ``LOOKUP_STALL_S`` ends the wait early.
     """
-    deadline = time.monotonic() + timeout
     held = deque(names)
-    while held and time.monotonic() < deadline:
-        while held and not _name_held(held[0]):
-            held.popleft()
-        if held:
-            time.sleep(0.02)
-    return [n for n in held if _name_held(n)]
+    lock = threading.Lock()
+    stop = threading.Event()
+    answered = [time.monotonic()]
+
+    def poll() -> None:
+        while not stop.is_set():
+            with lock:
+                first = held[0] if held else None
+            if first is None:
+                return
+            still_held = _name_held(first)
+            answered[0] = time.monotonic()
+            if still_held:
+                stop.wait(0.02)
+            else:
+                with lock:
+                    held.popleft()
+
+    poller = threading.Thread(target=poll, name="phalanx-names-free", daemon=True)
+    poller.start()
+    deadline = time.monotonic() + timeout
+    while poller.is_alive() and time.monotonic() < deadline:
+        poller.join(min(0.05, max(0.0, deadline - time.monotonic())))
+        if time.monotonic() - answered[0] > LOOKUP_STALL_S:
+            break
+    stop.set()
+    with lock:
+        return list(held)
 
 
 def _name_held(name: str) -> bool:

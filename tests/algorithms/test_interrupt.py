@@ -25,13 +25,17 @@ def _metrics_rows(run: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def _run_and_interrupt(argv: list[str], run: Path, sig: int, started) -> tuple[int, float, str]:
-    """Start ``phalanx train`` with ``argv``, wait for ``started(rows)``, send ``sig``;
-    returns (exit status, seconds from the signal to exit, stderr), after checking that
-    none of its processes and none of their /dev/shm segments outlive it."""
+def _run_and_interrupt(
+    argv: list[str], run: Path, sig: int, started, whole_job: bool = False
+) -> tuple[int, float, str]:
+    """Start ``phalanx train`` with ``argv`` (in a session of its own), wait for
+    ``started(rows)``, send ``sig`` to it (``whole_job``: to every process of its session,
+    Ray's included, as Slurm and ``timeout`` do); returns (exit status, seconds from the
+    signal to exit, stderr), after checking that none of its processes and none of their
+    /dev/shm segments outlive it."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "phalanx.cli", "train", *argv],
+        [sys.executable, "-m", "phalanx.cli", "train", *argv], start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     try:
@@ -41,7 +45,10 @@ def _run_and_interrupt(argv: list[str], run: Path, sig: int, started) -> tuple[i
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         family = {proc.pid} | {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
         t_signal = time.monotonic()
-        proc.send_signal(sig)
+        if whole_job:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
         code = proc.wait(timeout=60)
         elapsed = time.monotonic() - t_signal
         err = proc.stderr.read()
@@ -78,6 +85,22 @@ def test_ppo_run_stops_on_a_signal(tmp_path, sig, code):
     assert (run / "checkpoint.pt").exists() and len(_metrics_rows(run)) >= 2
     status = json.loads((run / "status.json").read_text())
     assert status["status"] == "interrupted" and status["exit_code"] == code
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ppo_run_stops_when_the_whole_job_gets_sigterm(tmp_path):
+    """Ray's own processes die with the run: the clean-up's actor-name lookups would block
+    for good on the dead raylet; they give up, and the run still exits 143 in bounded time."""
+    argv = ["ppo", "--env-runners", "1", "--max-timesteps", "100000000", "--name", "r",
+            "--runs-dir", str(tmp_path), "--checkpoint-every", "1", "--no-progress"]  # fmt: skip
+    run = tmp_path / "r"
+    code, elapsed, err = _run_and_interrupt(
+        argv, run, signal.SIGTERM, lambda rows: len(rows) >= 2, whole_job=True
+    )
+    assert code == 143, err[-3000:]
+    assert elapsed < 25, elapsed
+    assert "interrupted by SIGTERM" in err and f"{run} keeps " in err
 
 
 @pytest.mark.slow
