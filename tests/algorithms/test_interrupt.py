@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -126,24 +127,41 @@ def test_a_signal_that_arrives_inside_ray_get_is_named(cluster, tmp_path, capsys
     """Ray replaces whatever a signal handler raises inside ``ray.get`` with a plain
     ``KeyboardInterrupt``; the harness still exits with the status of the signal that came
     (a real GRPO run spends most of its driver time in ``ray.get``)."""
+    import asyncio
+
     import ray
 
     from phalanx.algorithms import _harness as harness
     from phalanx.algorithms.ppo import PPOConfig
 
     @ray.remote(num_cpus=0)
-    def signal_the_driver(pid: int, sig: int) -> None:
-        os.kill(pid, sig)
-        time.sleep(60)  # still running: the driver is interrupted while it waits for it
+    class Never:
+        async def finish(self) -> None:
+            await asyncio.Event().wait()  # nothing sets it: the driver's get stays blocked
 
-    ref = signal_the_driver.remote(os.getpid(), sig)
+    never = Never.remote()
+    main = threading.main_thread().ident
+
+    def main_thread_in_ray_get() -> bool:
+        frame = sys._current_frames().get(main)
+        while frame is not None:
+            code = frame.f_code
+            if code.co_name == "get" and f"ray{os.sep}_private" in code.co_filename:
+                return True
+            frame = frame.f_back
+        return False
+
+    def signal_once_waiting() -> None:
+        if until(main_thread_in_ray_get, 30):
+            os.kill(os.getpid(), sig)
 
     def body() -> int:
-        ray.get(ref, timeout=60)
+        threading.Thread(target=signal_once_waiting, daemon=True).start()
+        ray.get(never.finish.remote(), timeout=60)
         raise AssertionError("the signal did not interrupt")
 
     try:
         assert harness.run_command("p", PPOConfig, tmp_path / "run", body) == code
     finally:
-        ray.cancel(ref, force=True)
+        ray.kill(never)
     assert f"p: interrupted by {signal.Signals(sig).name}" in capsys.readouterr().err
