@@ -1,4 +1,4 @@
-"""Bad-input tally: a fixed list of wrong arguments across phalanx's public API (issue 12).
+"""Bad-input tally: a fixed list of wrong arguments across phalanx's public API.
 
 Each row calls one public entry point with one wrong argument and checks four things:
 

@@ -7,7 +7,7 @@ worker from a 2-rank FSDP2 policy through the shared-memory IPC path (each polic
 writes its own rows into the next buffer of the refit sender's ring; the read-only
 generator's parameters become views of it, route ``shm_view``, printed), and prints
 refit time as a ratio to the weight-sync floor (one in-process ``copy_`` of the same
-bytes) and against the seed methods' gather-then-pack refit (the generator copies),
+bytes) and against NeMo-RL's gather-then-pack refit (the generator copies),
 timed interleaved in the same run.
 
     python benchmarks/bench_grpo.py [--sizes 10,50,200] [--steps 8] [--repeats 5]
@@ -72,7 +72,7 @@ def _build(path: str, hidden: int, layers: int) -> int:
 
 
 def _seed_path_refit(policy, gen, t: float = 300.0) -> None:
-    """The seed methods' refit: gather the full weights on every rank, pack on rank 0."""
+    """NeMo-RL's refit: gather the full weights on every rank, pack on rank 0."""
     pg = policy.worker_group
     infos = pg.call("prepare_weights_for_ipc").wait(timeout=t)
     handles = pg.execute_on(0).get_weights_ipc_handles([k for k, _ in infos[0][0]]).wait(t)[0]

@@ -1,4 +1,4 @@
-"""Synchronous vs asynchronous GRPO, in two placements, in one script (issue #28).
+"""Synchronous vs asynchronous GRPO, in two placements, in one script.
 
 Four runs of the same wall-time budget each: {sync, async} x {shared, disaggregated}.
 Shared: every worker may use every core (sync's phases each take all of them; async's

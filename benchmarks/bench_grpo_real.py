@@ -9,32 +9,20 @@ memory per phase. The curve (training reward and held-out accuracy per step) is 
 
 It runs ``phalanx train grpo``'s own defaults (``GRPOConfig()``: the README command) and
 changes none of its hyperparameters; only the run folder, the step cap and the time limit
-are set here. Goal (issue 30): at least 70% held-out greedy accuracy within 20 minutes on
+are set here. Goal: at least 70% held-out greedy accuracy within 20 minutes on
 2 CPU cores, start-up and evaluations included.
 
-Sweep behind the defaults (2-core CPU, fp32, as measured for issue 30): 16 prompts x 8 samples x 192 tokens, KL 0.01,
-lr 3e-6, 200-problem evaluation: 0 steps finished in 20 minutes (evaluation 461 s, one
-generation 188 s, one reference pass 214 s); 8 x 8 x 64 tokens, no KL, lr 1e-5,
-100-problem evaluation every 5 steps: 84 s a step, accuracy 8% -> 34% (7.7 min) -> 50%
-(13.6 min) -> 69% (18.9 min). With dynamic batching (each micro-batch padded only to its
-own longest row; the training phase shrinks as answers get shorter, 65-78 s -> 43-51 s
-a step at the same steps), 2026-11-25, quiet machine: lr 1e-5 reached 34% (step 5, 8.5
-min), 50% (step 10, 14.2 min), 69% (step 15, 19.8 min), 71% (step 20), 74% (step 27,
-31.4 min); lr 2e-5 (the default since) 43% (step 5, 8.0 min), 66% (step 10, 12.8 min),
-72% (step 15, 17.7 min), 70% (step 19, 20.8 min). Then the training phase stopped
-computing the prompt positions' logits (the loss never reads them), computed the
-log-probs once per micro-batch and kept freed memory for reuse (no fresh page faults
-each micro-batch): same settings, 43% (step 5, 5.8 min), 66% (step 10, 9.0 min), 72%
-(step 15, 12.0 min), 74% (step 20, 15.1 min), 74% (step 27, 20.5 min); median step
-40.3 s, training 29.6 s (was 44.8 s).
+The defaults were chosen by this benchmark on 2 cores in fp32: larger batches with longer
+answers, a KL penalty and a larger evaluation finish too few steps in 20 minutes, and lr
+2e-5 reaches 70% sooner than 1e-5.
 
-``--lora-rank R --lr X`` runs the same command with LoRA adapters instead (issue 27's
+``--lora-rank R --lr X`` runs the same command with LoRA adapters instead (the LoRA
 curve; LoRA wants a larger learning rate than full fine-tuning). Without LoRA the run ends
 with the training phase's FLOP rate (6 x parameters x unpadded tokens / training time) as a
-fraction of a plain fp32 matrix product. This machine's product rate drifts between about
-76 and 176 GFLOP/s from one minute to the next, so the product is sampled on the policy
-worker itself right after every training phase (``train(on_training=...)``; about a second
-a step, outside ``time/step``), and each step is divided by the samples on either side.
+fraction of a plain fp32 matrix product. A shared VM's product rate drifts from one minute
+to the next, so the product is sampled on the policy worker itself right after every
+training phase (``train(on_training=...)``, outside ``time/step``), and each step is
+divided by the samples on either side.
 
     python benchmarks/bench_grpo_real.py --minutes 20 --run-dir runs/grpo_real
     python benchmarks/bench_grpo_real.py --minutes 30 --lora-rank 32 --lr 1e-4 \
@@ -80,7 +68,7 @@ def main() -> int:
     )
     ap.add_argument("--resume", action="store_true")
     ap.add_argument(
-        "--lora-rank", type=int, default=0, help="issue 27's LoRA curve: adapters of this rank"
+        "--lora-rank", type=int, default=0, help="the LoRA curve: adapters of this rank"
     )
     ap.add_argument("--lora-alpha", type=float, default=32.0)
     ap.add_argument("--lr", type=float, default=None, help="(LoRA curve) the learning rate")

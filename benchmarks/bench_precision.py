@@ -1,4 +1,4 @@
-"""fp32 vs bf16 training speed of the GRPO policy's model on this machine (issue 30).
+"""fp32 vs bf16 training speed of the GRPO policy's model on this machine.
 
 Times one forward+backward of a GRPO-like batch (default 8 x 104 tokens) in three
 precisions: fp32, bf16 autocast over fp32 weights (what ``precision="bfloat16"`` does),

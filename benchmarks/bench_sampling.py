@@ -19,7 +19,7 @@ with ``--envs`` environments in all, each stepped with the default policy's forw
 
 Every path is built once, then measured in ``--rounds`` interleaved rounds (the machine's
 speed drifts within seconds). Prints the median env steps/s of each and the median of the
-per-round ratios of (d) to the best single-process figure (issue 25's goal: 2 runners
+per-round ratios of (d) to the best single-process figure (goal: 2 runners
 >= 1.6x SyncVectorEnv on 2 cores, >= 0.9x AsyncVectorEnv).
 
     python benchmarks/bench_sampling.py [--env HalfCheetah-v5] [--envs 8] [--steps 256] [--rounds 5]

@@ -1,4 +1,4 @@
-"""The GRPO training step's FLOP rate against an fp32 matrix product, interleaved (issue 30).
+"""The GRPO training step's FLOP rate against an fp32 matrix product, interleaved.
 
 This machine's product rate moves between levels from one minute to the next, so a
 ratio against a product measured before or after a run carries that drift. Here one

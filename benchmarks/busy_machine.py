@@ -1,4 +1,4 @@
-"""Start-up on a busy machine (issue 26): a command run K times under N CPU-bound processes.
+"""Start-up on a busy machine: a command run K times under N CPU-bound processes.
 
 Starts ``--busy`` (default 30) processes that spin on the CPU, each stopping by itself
 after ``--busy-seconds`` and killed when the script ends, then runs a command ``--tries``

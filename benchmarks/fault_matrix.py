@@ -1,4 +1,4 @@
-"""Fault tally: a fixed list of faults injected into real groups on a local Ray (issue 12).
+"""Fault tally: a fixed list of faults injected into real groups on a local Ray.
 
 Each scenario is one small function with a fixed schedule (which rank, at which point, by
 which means): no random kills. It states the guarantee it checks (the README's "Fault

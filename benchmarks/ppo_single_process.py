@@ -10,7 +10,7 @@ without step infos) and the runners' forward, so the ratio compares runtimes onl
 the time from process start to ``stop_return`` (start-up included: interpreter, imports,
 env construction) and its wall-time breakdown, and a JSON summary as its last line.
 ``bench_ppo.py --vs-single-process`` runs it per seed beside ``phalanx train ppo`` and
-prints the ratio (issue 25: <= 1.3x on the continuous task, <= 2x on CartPole).
+prints the ratio (goals: <= 1.3x on the continuous task, <= 2x on CartPole).
 
     python benchmarks/ppo_single_process.py --env HalfCheetah-v5 --seed 1 [--stop-return R]
 """

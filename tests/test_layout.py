@@ -1,4 +1,4 @@
-"""The shape of the package (issue #23): no module over 700 lines, and no import circle
+"""The shape of the package: no module over 700 lines, and no import circle
 inside any package, computed with grimp (import-linter's graph library) over every import,
 those inside functions included (an import moved into a function to dodge a circle is
 still a circle); ``if TYPE_CHECKING:`` imports are left out."""

@@ -114,7 +114,7 @@ def test_config_errors_name_the_value(tmp_path):
         GRPOConfig(time_limit_s=0).validate()
     with pytest.raises(ValueError, match="top_p"):
         GRPOConfig(top_p=1.5).validate()
-    # Pretrained defaults: the measured configuration of bench_grpo_real.py (issue #30).
+    # Pretrained defaults: the configuration bench_grpo_real.py measures.
     d = GRPOConfig()
     assert (d.warmup_steps, d.lr, d.max_new_tokens, d.kl_beta) == (0, 2e-5, 64, 0.0)
     assert (d.prompts_per_step, d.samples_per_prompt, d.eval_size, d.eval_every) == (8, 8, 100, 5)
@@ -124,7 +124,7 @@ def test_config_errors_name_the_value(tmp_path):
 def test_cli_rejects_bad_input_before_starting_anything(tmp_path, capsys):
     assert cli(["--help"]) == 0
     assert "--max-new-tokens" in capsys.readouterr().out
-    assert cli(["--no-such-flag"]) == 2  # a usage error (issue #26: was 1)
+    assert cli(["--no-such-flag"]) == 2  # a usage error
     assert cli(["--samples-per-prompt", "1", "--run-dir", str(tmp_path)]) == 1
     assert "samples_per_prompt must be >= 2" in capsys.readouterr().err
     assert cli(["--resume", "--run-dir", str(tmp_path / "none")]) == 1

@@ -1,4 +1,4 @@
-"""Asynchronous GRPO (issue #28): the versioned trajectory buffer, the importance ratio of
+"""Asynchronous GRPO: the versioned trajectory buffer, the importance ratio of
 on- and off-policy rows, the config keys, and tiny end-to-end runs (versions per step,
 a generation worker killed mid-run, nothing left behind)."""
 

@@ -1,4 +1,4 @@
-"""A channel whose actor stops answering (SIGSTOP) is not a closed channel (issue 26, item 7)."""
+"""A channel whose actor stops answering (SIGSTOP) is not a closed channel."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The listener survives outsiders (issue 26, item 7): fd exhaustion, handshake floods,
+"""The listener survives outsiders: fd exhaustion, handshake floods,
 log floods, oversized frames; listeners follow the node address phalanx was given."""
 
 from __future__ import annotations

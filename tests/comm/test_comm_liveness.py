@@ -1,4 +1,4 @@
-"""No hangs when a peer dies: restarts are seen, connects fail fast (issue 12, item 2)."""
+"""No hangs when a peer dies: restarts are seen, connects fail fast."""
 
 from __future__ import annotations
 

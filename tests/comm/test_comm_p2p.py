@@ -232,7 +232,7 @@ class CommWorker(px.Worker):
 
 
 class SendWorker(px.Worker):
-    """The RLinf seed's example sender, on CPU (gloo/shared memory, no CUDA)."""
+    """RLinf's documented example sender, on CPU (gloo/shared memory, no CUDA)."""
 
     def hello_recv(self):
         msg = f"Hello from SendWorker Rank {self._rank}!"
@@ -279,7 +279,7 @@ class SendWorker(px.Worker):
 
 
 class RecvWorker(px.Worker):
-    """The RLinf seed's example receiver, on CPU."""
+    """RLinf's documented example receiver, on CPU."""
 
     def hello_recv(self):
         msg = self.recv(src_group_name=SEND_GROUP_NAME, src_rank=self._rank)

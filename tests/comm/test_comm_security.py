@@ -1,4 +1,4 @@
-"""phalanx's sockets accept only peers that hold the Ray session's secret (issue 12, item 1)."""
+"""phalanx's sockets accept only peers that hold the Ray session's secret."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bad input and crash loops of env runners (issues 25, 26, 29): each ends in a clear error.
+"""Bad input and crash loops of env runners: each ends in a clear error.
 
 ``module:EnvId`` imports the module first; an env whose extra is not installed names the
 extra; a Dict observation space fails before any runner starts; a NaN observation is

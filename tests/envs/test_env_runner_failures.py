@@ -1,4 +1,4 @@
-"""EnvRunnerGroup failure semantics on fixed schedules (RLlib's rules, issue 15).
+"""EnvRunnerGroup failure semantics on fixed schedules (RLlib's rules).
 
 Two remote runners sample 10 steps per round; runner 2's env faults at its 15th step,
 so inside round 2, once (a marker file stops a restarted runner from faulting again).
@@ -115,7 +115,7 @@ def test_fault_schedule(cluster, tmp_path, fault, mode):
 
 
 def test_dead_runner_batches_of_the_others_are_returned(cluster, tmp_path):
-    """Issue 15 item 2: ignoring failures, a runner dying mid-sample leaves the other
+    """Ignoring failures, a runner dying mid-sample leaves the other
     runners' batches (three runners, two of them die in the same round)."""
     cfg = EnvRunnerGroupConfig(
         env_config={"bad": [1, 3], "at_step": 5, "mode": "exit", "once_dir": str(tmp_path)},
@@ -186,7 +186,7 @@ def test_no_runner_left_raises_naming_the_health(cluster, tmp_path):
 
 
 def test_rllib_health_methods_and_async_fetch_ready(cluster, tmp_path):
-    """Issue 15 item 11: RLlib's names, signatures and return values."""
+    """RLlib's names, signatures and return values."""
     g = _group(cluster, tmp_path, "fail_async", "ignore", "raise")
     try:
         assert g.healthy_env_runner_ids() == [1, 2]

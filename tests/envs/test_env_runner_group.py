@@ -1,4 +1,4 @@
-"""EnvRunnerGroup on a real local Ray: every method of RLlib's seed, weight sync, restarts."""
+"""EnvRunnerGroup on a real local Ray: every method of RLlib's API, weight sync, restarts."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Env runners killed while the group starts, and weight sync through same-node views.
 
-Start-up (issue 12): a remote runner whose process is killed inside ``__init__`` is
+Start-up: a remote runner whose process is killed inside ``__init__`` is
 started again by the restart policy; each such restart counts in
 ``num_remote_env_runner_restarts()`` as soon as the group exists, the launch waits for
 the restarted runner beyond its first deadline, and a runner that keeps dying fails the
@@ -8,7 +8,7 @@ launch with an error naming the group, the rank and the restarts used. The kills
 from inside the runner's env creator on a fixed schedule (one marker file per
 incarnation), so the counts are exact.
 
-Weights (issue 18): ``sync_weights`` uses the ``auto`` transport, so runners on this
+Weights: ``sync_weights`` uses the ``auto`` transport, so runners on this
 node (``read_only_weights``) get views of the sender's shared buffer; a runner restarted
 after a kill gets the current weights back.
 """

@@ -1,4 +1,4 @@
-"""A driver killed with SIGKILL takes its group's named actors with it (issue 12 §3).
+"""A driver killed with SIGKILL takes its group's named actors with it.
 
 The driver is a separate process joined to the test's Ray. It launches a group, writes the
 workers' pids to a file and then waits on its stdin; the test kills it once the file is

@@ -1,4 +1,4 @@
-"""Seed-system behaviour of a group's faces: NeMo-RL's and RLlib's validation errors (both
+"""Upstream behaviour of a group's faces: NeMo-RL's and RLlib's validation errors (both
 ``AssertionError`` and ``ValueError``), RLlib's ``set_actor_state`` and
 ``probe_unhealthy_actors``, and a group call's default bound (``call_timeout_s``)."""
 
@@ -42,7 +42,7 @@ def test_multiple_data_count_mismatch_is_assertion_and_value_error(pair):
 
 
 def test_positional_data_is_forwarded_deliberately(pair):
-    """NeMo-RL asserts on positional data (its issue 582); phalanx forwards it in order."""
+    """NeMo-RL asserts on positional data; phalanx forwards it in order."""
     got = ray.get(pair.run_all_workers_multiple_data("record", [10, 11], common_kwargs={"c": 1}))
     assert [(r["rank"], r["args"], r["kwargs"]) for r in got] == [
         (0, (10,), {"c": 1}),

@@ -65,7 +65,7 @@ def test_refit_sends_merged_weights_under_base_names(lora2, model_path, tokenize
     seg = ShmSegment(handle["layout"].total_bytes, name=handle["name"], create=False)
     plain.load_state_dict({k: v.clone() for k, v in views(seg.tensor, handle["layout"]).items()})
     torch.testing.assert_close(model_logprobs(plain, data), lp, atol=1e-5, rtol=1e-4)
-    # ...and the seed methods' gather-then-pack path sends the same weights.
+    # ...and NeMo-RL's gather-then-pack methods send the same weights.
     names = [k for k, _ in g.call("prepare_weights_for_ipc").wait(timeout=120)[0][0]]
     handle = next(iter(g.execute_on(0).get_weights_ipc_handles(names).wait(60)[0].values()))
     seg2 = ShmSegment(handle["layout"].total_bytes, name=handle["name"], create=False)
