@@ -3,8 +3,8 @@
 glibc serves every allocation over its mmap threshold (32 MiB at most) with a fresh
 ``mmap`` and returns it with ``munmap`` when freed. A CPU training loop frees and
 reallocates its logits, activations and gradients every micro-batch, so each time the
-kernel maps and zeroes those pages again: measured on the GRPO policy worker, 10-20% of
-its CPU time was system time and page faults. Serving large blocks from the heap, and not
+kernel maps and zeroes those pages again, and on the GRPO policy worker system time and
+page faults become a large share of its CPU time. Serving large blocks from the heap, and not
 trimming it, lets the next micro-batch reuse the same pages. The price: the process keeps
 its peak footprint (its resident size no longer falls between phases).
 """

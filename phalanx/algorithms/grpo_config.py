@@ -23,10 +23,9 @@ class GRPOConfig:
     The defaults are the configuration ``benchmarks/bench_grpo_real.py`` measures on a
     2-core CPU with SmolLM2-135M-Instruct and two-digit addition: 8 prompts x 8 samples, 64
     new tokens, lr 2e-5, no KL penalty (no reference pass), dynamic batching, a 100-problem
-    held-out greedy evaluation every 5 steps. Chosen from the sweep recorded in that
-    benchmark's notes (16 x 8 x 192 tokens with KL 0.01 and lr 3e-6 finished 0 steps in 20
-    minutes there; 8 x 8 x 64 tokens at lr 1e-5 reached 69% at 19.8 min, at lr 2e-5 72% at
-    17.7 min, and 72% at 12.0 min once the prompt's logits were no longer computed).
+    held-out greedy evaluation every 5 steps. Larger batches with longer answers and a KL
+    penalty finish too few steps within the benchmark's 20 minutes, and lr 2e-5 learns
+    faster than 1e-5 (``docs/benchmarks.md`` has the result).
     """
 
     # --- model, task, reward
@@ -179,8 +178,7 @@ class GRPOConfig:
         """The tiny-model preset: random init, single-digit addition, a supervised warm-up.
 
         32 x 8 samples a step: fewer make the per-step gradient so noisy that Adam's
-        per-parameter steps move the policy at random (measured: update nearly orthogonal to
-        the reward gradient with 8 x 8 at lr 1e-3).
+        per-parameter steps move the policy in directions unrelated to the reward gradient.
         """
         base = dict(
             model=TINY,

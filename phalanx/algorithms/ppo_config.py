@@ -200,14 +200,10 @@ class PPOConfig:
 TUNED: dict[str, dict[str, Any]] = {
     # CartPole-v1 (2 runners x 8 envs x 32 steps = 512 steps per update). Start: CleanRL's
     # ppo.py (4 epochs, clip 0.2, tanh 64x64, advantage normalisation) with lr 2.5e-3.
-    # A sweep of steps to a 20-episode mean of 450 (seeds 1-3, 2026-11-23; the notes in
-    # benchmarks/bench_ppo.py) found: value clipping off (returns of ~100 moved at
-    # most 0.2 per update held the critic back), gamma 0.98 and lambda 0.9 (RL Zoo's
-    # CartPole horizon) and 6 epochs cut the median from ~52k to ~21k steps (seeds 1-5:
-    # 21k, 19k, 35k, 30k, 20k); 8 epochs, lr 4e-3, 4 envs per runner or 16-step fragments
-    # did not beat it, and RL Zoo's full set (lambda 0.8, 10 epochs, lr 1e-3) was slower.
-    # A second sweep (2026-11-25, seeds 1-5: epochs, minibatch, lr, lambda, entropy, clip,
-    # value weight, width, activation, fragment length, async sampling) kept these values.
+    # Changed from it because each reached a 20-episode mean of 450 in fewer env steps
+    # (seeds 1-5; benchmarks/bench_ppo.py says what else was tried): value clipping off
+    # (returns of ~100 moved at most 0.2 per update hold the critic back), gamma 0.98 and
+    # lambda 0.9 (RL Zoo's CartPole horizon), and 6 epochs.
     "CartPole-v1": {
         "clip_vloss": False,
         "gamma": 0.98,
@@ -239,8 +235,7 @@ TUNED: dict[str, dict[str, Any]] = {
     # return normaliser (CleanRL's NormalizeReward): rewards are scaled by 0.1 instead and
     # value clipping is off (as for Pendulum: clipping targets of tens by 0.2 per update
     # held the critic back). Stop: CleanRL's reported evaluation return of its HalfCheetah
-    # PPO agents at 1M steps is ~1.5-1.9k; 1500 over 10 episodes. Not swept; seed 1 reached
-    # it at 360k steps in 5.3 min (2026-11-25, benchmarks/bench_ppo.py --env HalfCheetah-v5).
+    # PPO agents at 1M steps is ~1.5-1.9k; 1500 over 10 episodes. Not swept.
     "HalfCheetah-v5": {
         "num_envs_per_env_runner": 4,
         "rollout_fragment_length": 256,

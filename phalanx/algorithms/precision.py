@@ -2,8 +2,8 @@
 
 A CUDA GPU with bf16 support, or a CPU with AVX-512 BF16 or AMX units, runs bf16 matrix
 products at least as fast as fp32. A CPU without them (AVX2 only) emulates bf16 and is
-many times slower than fp32 (measured on SmolLM2-135M: 3.8 vs 75 GFLOP/s), so "auto"
-gives fp32 there.
+many times slower than fp32 (``benchmarks/bench_precision.py``), so "auto" gives fp32
+there.
 """
 
 from __future__ import annotations

@@ -413,7 +413,7 @@ class Channel:
     ) -> Channel:
         """Start the channel actor on node rank ``node_rank``; each key holds at most ``maxsize`` items (0: unbounded).
 
-        ``node_id`` is the seed document's older name of ``node_rank``. RLinf's
+        ``node_id`` is the older name of ``node_rank`` in RLinf's API document. RLinf's
         ``distributed=True`` (one replica per node) and ``local=True`` (in-process only)
         are not supported: they raise ``NotImplementedError``.
         """
@@ -607,8 +607,8 @@ def create_channel(
 ) -> Channel:
     """Create a channel from the driver or any worker (see ``Channel.create``).
 
-    RLinf's keywords (``channel_name``, ``node_rank``, ``maxsize``); the seed document's
-    ``name``/``node_id`` are accepted too.
+    RLinf's keywords (``channel_name``, ``node_rank``, ``maxsize``); the older
+    ``name``/``node_id`` of RLinf's API document are accepted too.
     """
     return Channel.create(
         _channel_name(channel_name, name),

@@ -51,7 +51,7 @@ class EnvRunnerGroupConfig:
         max_num_env_runner_restarts: restarts allowed per runner before it is given up
             (100; stops a crash loop, not a run with the odd failure).
         delay_between_env_runner_restarts_s: wait before recreating a runner (0.0 s: a new
-            runner is up in about a second here; RLlib's default is 60 s).
+            runner is ready once its process starts; RLlib's default is 60 s).
         env_runner_health_probe_timeout_s: how long a probe waits for a restart under way
             and for a ping, and how long a state restore may take (10 s).
         max_requests_in_flight_per_env_runner: async requests per runner at a time (1).

@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 # for restarts under way (they come back in a later round).
 _NO_WAIT_S = 1e-3
 # With every runner out, how long ``sample`` waits for a restart under way to finish
-# (beyond the probe timeout): a new runner process starts in ~1 s on an idle machine.
+# (beyond the probe timeout), with a wide margin for a loaded machine.
 RESTART_WAIT_S = 180.0
 
 

@@ -3,7 +3,7 @@
 ``SyncVectorEnv.step`` serves every space: it splits the actions with ``iterate``, joins
 the observations with ``concatenate`` and copies its buffers, whatever the spaces are.
 For a Box observation space and a Box or MultiDiscrete batch of actions that generic work
-is an eighth of a runner's step on MuJoCo with 4 envs (``benchmarks/bench_sampling.py``).
+is a sizeable part of a runner's step on MuJoCo (``benchmarks/bench_sampling.py``).
 :class:`SameStepVectorEnv` does the same steps directly on numpy rows, with the library's
 own ``_add_info`` for what an env reports, and leaves every other space and autoreset mode
 to the library's ``step``.

@@ -84,7 +84,7 @@ class RestartPolicy:
       (``max_restarts_per_worker`` restarts per window), as long jobs need.
     - ``max_restarts_total=None``: no limit over the whole group besides the per-rank one.
     - ``delay_s=0.0``: restart at once. RLlib waits 60 s by default; a recreated actor
-      here is ready in ~1 s, and the per-rank limit already stops thrashing.
+      is ready once its process starts, and the per-rank limit already stops thrashing.
     - ``health_probe_timeout_s=30.0``: how long a ping, a ``set_state`` restore or the
       start of a recreated actor may take before the rank counts as unhealthy.
     - ``ignore_failures=False``: a call that meets a dead worker raises an error naming the

@@ -5,8 +5,8 @@ Names, argument order and defaults are those of NeMo-RL's ``RayWorkerGroup``. Ea
 through the group's one dispatch (``WorkerGroup._call``), returning bare Ray refs or a
 ``MultiWorkerFuture`` as NeMo-RL does.
 
-Deliberate difference: NeMo-RL asserts that ``run_*`` get no positional data (its issue
-582: positional arguments broke with its worker method shells); phalanx forwards them
+Deliberate difference: NeMo-RL asserts that ``run_*`` get no positional data (positional
+arguments broke with its worker method shells); phalanx forwards them
 in order, since its dispatch has no such limit.
 """
 

@@ -655,7 +655,7 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
         if optimizer_path:
             load_optimizer(self.model, self.optimizer, self.scheduler, optimizer_path)
 
-    # ------------------------------------------------------------------ the rest of the seed
+    # ------------------------------------------------------------ the rest of NeMo-RL's API
     create_context_parallel_ctx = staticmethod(create_context_parallel_ctx)
     train_context = staticmethod(train_context)
 

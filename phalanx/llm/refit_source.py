@@ -142,7 +142,7 @@ class RefitSource:
         share a node, each rank copies its own rows of every parameter into one
         shared-memory segment (kept across refits; no gather, no collective after the
         first call), so the cost is one parallel copy of the weights. Otherwise the full
-        weights are gathered and packed by rank 0, as the two seed methods do.
+        weights are gathered and packed by rank 0, as NeMo-RL's two methods do.
         """
         if self.device.type == "cuda" or not self._policy_on_one_node():
             info, _ = self.prepare_weights_for_ipc()

@@ -164,9 +164,9 @@ def start_ray(logical_cpus: int | None = None) -> None:
             "prestart_worker_first_driver": prestart,
             "worker_niceness": 0,
             # results up to 1 MiB come back in the call's reply, not through the object
-            # store: an env runner's batch (~111 KiB for 4 HalfCheetah envs x 256 steps)
-            # is over Ray's 100 KiB default, and the store's round trip costs
-            # ~3.5% of a core in the raylet and ~1% in the caller while two runners sample
+            # store: an env runner's batch (4 HalfCheetah envs x 256 steps) is over Ray's
+            # 100 KiB default, and the store's round trip costs the raylet and the caller
+            # CPU time while the runners sample
             "max_direct_call_object_size": 1 << 20,
             # an idle worker process has the workers' heavy imports done, so a worker
             # restarted there skips them (benchmarks/bench_recovery.py)

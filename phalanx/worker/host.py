@@ -91,8 +91,7 @@ def adopt_torch_threads() -> None:
     ``torch.set_num_threads`` to another thread (OpenMP and MKL keep the count per thread)
     only when that thread first runs an op through its parallel loop. Small ops never do,
     so MKL's matrix products and vector functions there used every core: two env runners
-    on 2 cores spent most of their time in OpenMP spin-waits (a HalfCheetah rollout took
-    1.5-16 s instead of 0.3-0.5 s).
+    on 2 cores spent most of their time in OpenMP spin-waits.
     """
     if getattr(_thread_state, "torch_threads", False):
         return
