@@ -5,7 +5,7 @@ with a state-independent log-std. Sampling is written out by hand (no
 ``torch.distributions`` objects) because the env runner calls ``act`` once per vector
 step and object construction would cost more than the tiny MLP itself. For the same
 reason runners call :meth:`ActorCritic.act_numpy`: a vector step's batch is a few rows,
-where torch's fixed cost per op (5-10 us) is most of the forward and numpy's is 1-2 us.
+where torch's fixed cost per op is most of the forward and numpy's is a fraction of it.
 
 Any ``nn.Module`` can be a policy of an :class:`~phalanx.envs.EnvRunner` if it has the
 same two methods: ``act(obs, explore) -> (actions, logp, values)`` and
