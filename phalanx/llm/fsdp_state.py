@@ -43,6 +43,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def whole_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of ``t``: a DTensor on a one-rank mesh is its local tensor (no copy),
+    one sharded over several ranks is gathered (a collective); a plain tensor is itself."""
+    if not isinstance(t, DTensor):
+        return t
+    if t.device_mesh.size() == 1 and t.to_local().shape == t.shape:
+        return t.to_local()
+    return t.full_tensor()
+
+
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full (gathered) weights on their device; a collective over the model's ranks."""
     reshard(model)

@@ -79,6 +79,7 @@ class HFGenerationWorker(Worker, GenerationInterface):
     """
 
     read_only_weights = True  # inference only: same-node sends give it views, not copies
+    DONE_CHECK_EVERY = 8  # decoding steps between looks (on a GPU) at which rows finished
 
     def __init__(self, config: dict[str, Any], tokenizer: Any) -> None:
         super().__init__()
@@ -187,28 +188,34 @@ class HFGenerationWorker(Worker, GenerationInterface):
         attn = attn.to(dev)[inv]
         next_pos = lengths.to(dev).clone()
 
-        new = torch.full((B, max_new), pad, dtype=torch.long)
-        new_lp = torch.zeros((B, max_new), dtype=torch.float32)
-        gen_lengths = torch.zeros(B, dtype=torch.long)
+        # Kept on the device: the loop reads back to the host only every ``check`` steps.
+        new = torch.full((B, max_new), pad, dtype=torch.long, device=dev)
+        new_lp = torch.zeros((B, max_new), dtype=torch.float32, device=dev)
+        gen_lengths = torch.zeros(B, dtype=torch.long, device=dev)
         stops = torch.tensor(self.stop_token_ids, device=dev)
         rows = torch.arange(B, device=dev)  # original row of each row in the batch
         done = torch.zeros(B, dtype=torch.bool, device=dev)
+        # A host read waits for the GPU's queue to drain; on a CPU it costs nothing.
+        check = self.DONE_CHECK_EVERY if dev.type == "cuda" else 1
         for t in range(max_new):
             tok = self._choose(logits, greedy)
             lp = torch.log_softmax(logits, -1).gather(-1, tok[:, None]).squeeze(-1)
             live = ~done
-            r = rows[live].cpu()
-            new[r, t] = tok[live].cpu()
-            new_lp[r, t] = lp[live].cpu()
-            gen_lengths[r] = t + 1
+            new[rows, t] = torch.where(live, tok, pad)
+            new_lp[rows, t] = torch.where(live, lp, 0.0)
+            gen_lengths[rows] = torch.where(live, t + 1, gen_lengths[rows])
             done = done | torch.isin(tok, stops)
-            if t == max_new - 1 or bool(done.all()):
+            if t == max_new - 1:
                 break
-            if int(done.sum()) * 4 >= len(done):  # drop finished rows once a quarter are
-                keep = (~done).nonzero().squeeze(-1)
-                cache.batch_select_indices(keep)
-                rows, tok, attn = rows[keep], tok[keep], attn[keep]
-                next_pos, done = next_pos[keep], done[keep]
+            if (t + 1) % check == 0:
+                finished = int(done.sum())
+                if finished == len(done):
+                    break
+                if finished * 4 >= len(done):  # drop finished rows once a quarter are
+                    keep = (~done).nonzero().squeeze(-1)
+                    cache.batch_select_indices(keep)
+                    rows, tok, attn = rows[keep], tok[keep], attn[keep]
+                    next_pos, done = next_pos[keep], done[keep]
             tok = tok.masked_fill(done, pad)
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
             out = self.model(
@@ -220,7 +227,7 @@ class HFGenerationWorker(Worker, GenerationInterface):
             )
             next_pos = next_pos + 1
             logits = out.logits[:, -1].float()
-        return new, new_lp, gen_lengths
+        return new.cpu(), new_lp.cpu(), gen_lengths.cpu()
 
     def _choose(self, logits: torch.Tensor, greedy: bool) -> torch.Tensor:
         """The next token per row: argmax, or a temperature / top-p sample."""

@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from phalanx.llm.fsdp_state import reshard
+from phalanx.llm.fsdp_state import reshard, whole_tensor
 from phalanx.llm.lora import base_state_dict, merged_state_dict
 
 PG_TIMEOUT_S = 300.0
@@ -45,11 +44,9 @@ class RefitSource:
         return merged_state_dict(self.peft_model) if merged else base_state_dict(self.peft_model)
 
     def _full_refit_state(self) -> dict[str, torch.Tensor]:
-        """``_refit_state()`` gathered into full tensors (a collective)."""
-        return {
-            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
-            for k, v in self._refit_state().items()
-        }
+        """``_refit_state()`` gathered into full tensors (a collective). A refit only reads
+        them before the next step, so an unsharded tensor is returned as is, not copied."""
+        return {k: whole_tensor(v).detach() for k, v in self._refit_state().items()}
 
     def _init_refit_state(self) -> None:
         self._held_refit: dict[str, torch.Tensor] | None = None
