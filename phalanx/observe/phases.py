@@ -1,0 +1,54 @@
+"""The phases of a training step: one labelled block each, timed, traced and shown.
+
+``with phases("training"):`` runs the block while the progress line says what is running,
+records it as a trace span and stores its wall seconds in ``phases.times["training"]``;
+with ``peak=True`` the peak memory of the block (from a ``memory`` object with ``reset()``
+and ``peak()``) goes to ``phases.memory_gb["training"]``. An algorithm's loop then reads as
+its list of phases, with no timing statements between them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from phalanx.observe import trace
+
+
+class StepPhases:
+    """Times, traces and shows the phases of each step of a training loop.
+
+    Args:
+        bar: a ``Progress`` (its ``waiting(label)`` shows the running phase).
+        memory: what measures peak memory (``reset()``, ``peak()`` in GB), or None.
+    """
+
+    def __init__(self, bar: Any, memory: Any = None) -> None:
+        self.bar = bar
+        self.memory = memory
+        self.times: dict[str, float] = {}
+        self.memory_gb: dict[str, float] = {}
+
+    def new_step(self) -> None:
+        """Forget the previous step's figures."""
+        self.times, self.memory_gb = {}, {}
+
+    @contextmanager
+    def __call__(self, name: str, label: str | None = None, peak: bool = False) -> Iterator[None]:
+        """Run the block as phase ``name`` (shown as ``label``, default the name).
+
+        Raises:
+            ValueError: ``peak=True`` without a ``memory`` object.
+        """
+        if peak and self.memory is None:
+            raise ValueError(f"phase {name!r}: peak=True needs StepPhases(memory=...)")
+        if peak:
+            self.memory.reset()
+        start = time.perf_counter()
+        with self.bar.waiting(label or name), trace.span(name, cat="phase"):
+            yield
+        self.times[name] = time.perf_counter() - start
+        if peak:
+            self.memory_gb[name] = self.memory.peak()
