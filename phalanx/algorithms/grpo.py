@@ -39,15 +39,7 @@ import torch
 from phalanx.algorithms import _harness as harness
 from phalanx.algorithms.grpo_async import AsyncRollouts
 from phalanx.algorithms.grpo_config import TINY, GRPOConfig, expand_async_grpo, resolve_run_dir
-from phalanx.algorithms.grpo_loss import OnPolicyPGLossFn, behaviour_logprobs
-from phalanx.algorithms.grpo_rollout import (
-    SyncRollouts,
-    group_normalized_advantages,
-    rollout,
-    rollout_metrics,
-    training_batch,
-)
-from phalanx.algorithms.grpo_workers import (
+from phalanx.algorithms.grpo_group_calls import (
     PhaseMemory,
     answer_probability,
     evaluate_accuracy,
@@ -57,6 +49,14 @@ from phalanx.algorithms.grpo_workers import (
     reset_worker_optimizer,
     set_worker_lr,
     thread_shares,
+)
+from phalanx.algorithms.grpo_loss import OnPolicyPGLossFn, behaviour_logprobs
+from phalanx.algorithms.grpo_rollout import (
+    SyncRollouts,
+    group_normalized_advantages,
+    rollout,
+    rollout_metrics,
+    training_batch,
 )
 from phalanx.algorithms.phase_threads import PhaseThreads, follow_phase_threads
 

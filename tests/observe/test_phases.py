@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from phalanx.observe import trace
+from phalanx.observe.breakdown import WallBreakdown
 from phalanx.observe.phases import StepPhases
 from phalanx.observe.progress import Progress
 
@@ -49,6 +50,15 @@ def test_phases_time_trace_and_measure(tmp_path):
     assert [e["name"] for e in spans] == ["generation", "training", "refit"]
     phases.new_step()
     assert phases.times == {} and phases.memory_gb == {}
+    breakdown = WallBreakdown()
+    timed = StepPhases(bar, breakdown=breakdown)
+    for _ in range(2):
+        with timed("weight_sync", breakdown="weight sync"):
+            pass
+    with timed("train"):
+        pass
+    parts = breakdown.as_dict()
+    assert set(parts) >= {"weight sync", "train"} and "weight_sync" not in parts
     no_memory = StepPhases(bar)
     with pytest.raises(ValueError, match="phase 'x': peak=True needs StepPhases"):
         no_memory("x", peak=True).__enter__()
