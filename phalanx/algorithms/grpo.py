@@ -39,15 +39,7 @@ import torch
 from phalanx.algorithms import _harness as harness
 from phalanx.algorithms.grpo_async import AsyncRollouts
 from phalanx.algorithms.grpo_config import TINY, GRPOConfig, expand_async_grpo, resolve_run_dir
-from phalanx.algorithms.grpo_loss import OnPolicyPGLossFn, behaviour_logprobs
-from phalanx.algorithms.grpo_rollout import (
-    SyncRollouts,
-    group_normalized_advantages,
-    rollout,
-    rollout_metrics,
-    training_batch,
-)
-from phalanx.algorithms.grpo_workers import (
+from phalanx.algorithms.grpo_group_calls import (
     PhaseMemory,
     answer_probability,
     evaluate_accuracy,
@@ -57,6 +49,14 @@ from phalanx.algorithms.grpo_workers import (
     reset_worker_optimizer,
     set_worker_lr,
     thread_shares,
+)
+from phalanx.algorithms.grpo_loss import OnPolicyPGLossFn, behaviour_logprobs
+from phalanx.algorithms.grpo_rollout import (
+    SyncRollouts,
+    group_normalized_advantages,
+    rollout,
+    rollout_metrics,
+    training_batch,
 )
 from phalanx.algorithms.phase_threads import PhaseThreads, follow_phase_threads
 
@@ -152,19 +152,151 @@ def train(
     before the refit (a benchmark measures the machine there, between the run's own steps;
     its time is not in ``time/step``).
     """
-    from transformers import AutoConfig, AutoTokenizer
-
-    import phalanx as px
-    from phalanx.algorithms.grpo_tasks import make_task
-    from phalanx.algorithms.grpo_tiny_task import sft_batch
-    from phalanx.llm.generation import HFGenerationWorker
-    from phalanx.llm.loss import ClippedPGLossConfig, NLLLoss
-    from phalanx.llm.policy import Policy
-    from phalanx.llm.refit import Refitter
+    from phalanx.llm.loss import ClippedPGLossConfig
     from phalanx.observe.metrics import MetricsLogger
-    from phalanx.observe.progress import Progress
+    from phalanx.observe.phases import StepPhases
 
     t_start = time.perf_counter()
+    cfg, task, ckpt = _start_run(cfg)
+    plan = _plan(cfg, task, ckpt)
+    bar = _progress(cfg)
+    metrics = MetricsLogger(cfg.run_dir, use_wandb=cfg.wandb)
+    run = _Run(cfg, plan, task, bar)
+    failed = False
+    try:
+        run.launch(cluster, ckpt)
+        metrics.log_config(
+            {**asdict(cfg), "model_dir": plan.base_dir, "max_total_sequence_length": plan.max_seq}
+        )
+        start_step = run.warm_up_or_resume(ckpt, metrics)
+        if cfg.eval_every and cfg.eval_at_start:
+            metrics.log(start_step, run.evaluate(start_step))
+        bar.update(start_step)
+        rollouts = run.start_rollouts(start_step)
+        loss_fn = OnPolicyPGLossFn(
+            ClippedPGLossConfig(cfg.clip_eps_low, cfg.clip_eps_high, cfg.kl_beta)
+        )
+        phases = StepPhases(bar, run.memory)
+        policy = run.policy
+        for step in range(start_step + 1, cfg.steps + 1):
+            phases.new_step()
+            t0 = time.perf_counter()
+
+            # 1-4. a batch of trajectories: prompts, each repeated samples_per_prompt times
+            #      (a group per prompt), responses, rewards, advantages within each group
+            with bar.waiting(f"generating {plan.batch} responses"):
+                traj, info = rollouts.take(step)
+            data = training_batch(traj)  # 5. the loss counts the generated tokens only
+            if cfg.async_grpo:  # the ratio's "old" log-probs: the generating weights'
+                data["generation_logprobs"] = traj["generation_logprobs"][
+                    :, : data["input_ids"].shape[1]
+                ]
+                data["generation_is_current"] = (traj["version"] == step - 1).float()
+
+            # 6. log-probs: the old policy's only when several updates share a batch; the
+            #    reference's only when the KL penalty is on
+            needs_logprobs = not plan.on_policy or cfg.kl_beta > 0
+            with phases("logprobs", "log-probs", peak=needs_logprobs):
+                if not plan.on_policy:
+                    own = policy.get_logprobs(data)["logprobs"]
+                    data["prev_logprobs"] = behaviour_logprobs(own, data)
+                if cfg.kl_beta > 0:
+                    ref = policy.get_reference_policy_logprobs(data)
+                    data["reference_policy_logprobs"] = ref["reference_logprobs"]
+
+            # 7. policy-gradient step(s)
+            with phases("training", peak=True):
+                out = policy.train(data, loss_fn)
+            if on_training is not None:
+                t_hook = time.perf_counter()
+                on_training(step, policy)
+                t0 += time.perf_counter() - t_hook
+
+            # 8. refit the generators with the new weights (between generation batches);
+            #    an evaluation follows under the same pause of the collector
+            out_of_time = (
+                cfg.time_limit_s is not None and time.perf_counter() - t_start >= cfg.time_limit_s
+            )
+            last = step == cfg.steps or out_of_time
+            evaluating = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or last)
+            hold = contextlib.ExitStack()
+            held_wait = hold.enter_context(rollouts.paused()) if evaluating else 0.0
+            with hold:
+                with bar.waiting("refit"):
+                    info.update(rollouts.refit())
+                if cfg.async_grpo:
+                    info["time/refit_wait"] += held_wait
+                    info["time/training_wait"] += info["time/refit_wait"]
+                if evaluating:
+                    info.update(run.evaluate(step))
+
+            row = step_metrics(cfg, traj, data, out, {**info, **run.restarts()}, phases)
+            row["elapsed_s"] = time.perf_counter() - t_start
+            row["time/step"] = time.perf_counter() - t0  # the evaluation included
+            metrics.log(step, row)
+            run.history.append({"step": step, **row})
+            bar.update(
+                step, {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+            )
+
+            # 9. checkpoint
+            if step % cfg.checkpoint_every == 0 or last:
+                with bar.waiting("checkpoint"):
+                    _checkpoint(cfg, policy, task, step)
+            if out_of_time:
+                bar.log(f"[grpo] time limit {cfg.time_limit_s:.0f} s reached after step {step}")
+                break
+    except BaseException:  # an error or an interrupt: a worker stuck in a call is not waited for
+        failed = True
+        raise
+    finally:
+        bar.close()
+        metrics.close()
+        run.close(failed)
+    return run.result(t_start)
+
+
+def step_metrics(
+    cfg: GRPOConfig,
+    traj: Any,
+    data: Any,
+    out: dict[str, Any],
+    info: dict[str, Any],
+    phases: Any,
+) -> dict[str, Any]:
+    """The metrics row of one step: the rollout's, the loss's (per valid token), the
+    phases' seconds and peak memory, and the throughputs."""
+    mb = out["all_mb_metrics"]
+    ntok = max(sum(mb["num_valid_tokens"]), 1)
+    row = {
+        **rollout_metrics(traj, cfg.samples_per_prompt),
+        "loss": float(out["loss"].mean()),
+        "grad_norm": float(out["grad_norm"].mean()),
+        "kl": sum(mb["kl_sum"]) / ntok,
+        "entropy": sum(mb["entropy_sum"]) / ntok,
+        "clip_frac": sum(mb["clip_frac_sum"]) / ntok,
+        "ratio_mean": sum(mb["ratio_sum"]) / ntok,
+        **info,
+        **{f"time/{k}": v for k, v in phases.times.items()},
+        **{f"memory/{k}_peak_gb": v for k, v in phases.memory_gb.items()},
+    }
+    if "time/generation" in row:
+        gen_tokens = int(traj["generation_lengths"].sum())
+        row["throughput/tokens_per_s"] = gen_tokens / max(row["time/generation"], 1e-9)
+    train_tokens = int(data["input_lengths"].sum())  # prompt + response, no padding
+    row["train/tokens"] = train_tokens
+    row["throughput/train_tokens_per_s"] = train_tokens / max(phases.times["training"], 1e-9)
+    return row
+
+
+# ----------------------------------------------------------------------------- set-up
+
+
+def _start_run(cfg: GRPOConfig) -> tuple[GRPOConfig, Any, str | None]:
+    """The checked config with its run folder, the task and the checkpoint to resume (if
+    any); seeds Python and torch. A bad task file is refused before anything is written."""
+    from phalanx.algorithms.grpo_tasks import make_task
+
     cfg.validate()
     cfg = resolve_run_dir(cfg)
     random.seed(cfg.seed)
@@ -177,10 +309,35 @@ def train(
             f"run_dir {cfg.run_dir} already has checkpoints; pass --resume to continue it or "
             "choose another --name"
         )
-
-    # -- task (a bad task file is refused before anything is written), model, tokenizer --
     task = make_task(cfg.task, cfg.seed, cfg.eval_size, cfg.reward, cfg.format_reward)
     os.makedirs(cfg.run_dir, exist_ok=True)
+    return cfg, task, ckpt
+
+
+@dataclass
+class _Plan:
+    """What the workers are built from: the model folder, tokenizer, sizes, configs and
+    each role's threads and cores."""
+
+    base_dir: str
+    sft_dir: str
+    tokenizer: Any
+    max_seq: int
+    batch: int
+    on_policy: bool
+    warm: bool
+    policy_cfg: dict[str, Any]
+    gen_cfg: dict[str, Any]
+    policy_threads: int | None
+    gen_threads: int | None
+    policy_cpus: Any
+    gen_cpus: Any
+
+
+def _plan(cfg: GRPOConfig, task: Any, ckpt: str | None) -> _Plan:
+    """The model, tokenizer, sequence length, thread shares and worker configs of a run."""
+    from transformers import AutoConfig, AutoTokenizer
+
     base_dir = _prepare_model(cfg)
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     if tokenizer.pad_token is None:
@@ -199,7 +356,6 @@ def train(
     warm = cfg.warmup_steps > 0
     batch = cfg.prompts_per_step * cfg.samples_per_prompt
     gbs = cfg.train_global_batch_size or batch
-    on_policy = gbs == batch
     policy_threads, gen_threads, policy_cpus, gen_cpus = thread_shares(cfg)
     policy_precision, generation_precision = cfg.precisions()
     policy_cfg: dict[str, Any] = {
@@ -232,26 +388,6 @@ def train(
         policy_cfg["logprob_chunk_size"] = cfg.logprob_chunk_size
     if cfg.lora_rank:
         policy_cfg["dtensor_cfg"] = {"lora_cfg": cfg.lora_cfg()}
-    cluster = cluster if cluster is not None else px.Cluster()
-    bar = Progress(
-        total=cfg.steps,
-        start=0,
-        title=f"GRPO {cfg.task}",
-        enabled=cfg.progress,
-        keys=["reward_mean", "accuracy", "eval/accuracy", "response_length", "time/step"],
-    )
-    with bar.waiting(f"{cfg.num_policy_workers} policy worker(s) loading {cfg.model}"):
-        policy = Policy(
-            cluster,
-            policy_cfg,
-            tokenizer,
-            num_workers=cfg.num_policy_workers,
-            name_prefix=f"grpo_policy_{os.getpid()}",
-            weights_path=os.path.join(ckpt, "weights") if ckpt else None,
-            optimizer_path=os.path.join(ckpt, "optim") if ckpt else None,
-            init_reference_model=cfg.kl_beta > 0 or warm,
-            timeout_s=cfg.policy_timeout_s,
-        )
     gen_cfg = {
         "model_name": base_dir,
         "max_new_tokens": cfg.max_new_tokens,
@@ -261,253 +397,211 @@ def train(
         "precision": generation_precision,
         "num_threads": gen_threads,
     }
-    generation = None
-    rollouts: Any = None
-    phase: PhaseThreads | None = None
-    refitter: Any = None
-    metrics = MetricsLogger(cfg.run_dir, use_wandb=cfg.wandb)
-    history: list[dict[str, Any]] = []
-    evals: list[tuple[int, float]] = []
-    p_correct: list[tuple[int, float]] = []
-    start_step = 0
-    failed = False
-    try:
-        with bar.waiting(f"{cfg.num_generation_workers} generation worker(s) loading"):
-            generation = HFGenerationWorker.create_group(gen_cfg, tokenizer).launch(
+    return _Plan(
+        base_dir, sft_dir, tokenizer, max_seq, batch, gbs == batch, warm, policy_cfg, gen_cfg,
+        policy_threads, gen_threads, policy_cpus, gen_cpus,
+    )  # fmt: skip
+
+
+def _progress(cfg: GRPOConfig) -> Any:
+    from phalanx.observe.progress import Progress
+
+    return Progress(
+        total=cfg.steps,
+        start=0,
+        title=f"GRPO {cfg.task}",
+        enabled=cfg.progress,
+        keys=["reward_mean", "accuracy", "eval/accuracy", "response_length", "time/step"],
+    )
+
+
+class _Run:
+    """The workers of one GRPO run and what the loop does with them besides its step:
+    launch and placement, the supervised warm-up or the resume, rollouts, evaluation,
+    clean-up and the result."""
+
+    def __init__(self, cfg: GRPOConfig, plan: _Plan, task: Any, bar: Any) -> None:
+        self.cfg, self.plan, self.task, self.bar = cfg, plan, task, bar
+        self.policy: Any = None
+        self.generation: Any = None
+        self.refitter: Any = None
+        self.rollouts: Any = None
+        self.phase: PhaseThreads | None = None
+        self.memory: Any = None
+        self.history: list[dict[str, Any]] = []
+        self.evals: list[tuple[int, float]] = []
+        self.p_correct: list[tuple[int, float]] = []
+
+    def launch(self, cluster: Any, ckpt: str | None) -> None:
+        """The policy (from checkpoint ``ckpt`` when resuming) and generation groups, placed
+        on their cores, and the refitter."""
+        import phalanx as px
+        from phalanx.llm.generation import HFGenerationWorker
+        from phalanx.llm.policy import Policy
+        from phalanx.llm.refit import Refitter
+
+        cfg, plan = self.cfg, self.plan
+        cluster = cluster if cluster is not None else px.Cluster()
+        with self.bar.waiting(f"{cfg.num_policy_workers} policy worker(s) loading {cfg.model}"):
+            self.policy = Policy(
+                cluster,
+                plan.policy_cfg,
+                plan.tokenizer,
+                num_workers=cfg.num_policy_workers,
+                name_prefix=f"grpo_policy_{os.getpid()}",
+                weights_path=os.path.join(ckpt, "weights") if ckpt else None,
+                optimizer_path=os.path.join(ckpt, "optim") if ckpt else None,
+                init_reference_model=cfg.kl_beta > 0 or plan.warm,
+                timeout_s=cfg.policy_timeout_s,
+            )
+        with self.bar.waiting(f"{cfg.num_generation_workers} generation worker(s) loading"):
+            self.generation = HFGenerationWorker.create_group(plan.gen_cfg, plan.tokenizer).launch(
                 cluster,
                 px.NodePlacement(num_workers=cfg.num_generation_workers),
                 name=f"grpo_generation_{os.getpid()}",
                 # A dead generation worker is restarted, and refitted before it is called.
                 restart_policy=px.RestartPolicy(),
             )
-        pg = policy.worker_group
-        place_group(pg, policy_threads, policy_cpus)
-        place_group(generation, None, gen_cpus)  # its threads are in gen_cfg
+        pg = self.policy.worker_group
+        place_group(pg, plan.policy_threads, plan.policy_cpus)
+        place_group(self.generation, None, plan.gen_cpus)  # its threads are in gen_cfg
         if cfg.async_grpo and cfg.placement != "disaggregated" and not cfg.num_threads:
             # every core for the policy while no generation batch runs (phase_threads)
             idle = max(1, len(os.sched_getaffinity(0)) // cfg.num_policy_workers)
-            phase = PhaseThreads(busy=policy_threads, idle=idle)
-            calls = [(r, (phase.path,), {}) for r in range(pg.world_size)]
+            self.phase = PhaseThreads(busy=plan.policy_threads, idle=idle)
+            calls = [(r, (self.phase.path,), {}) for r in range(pg.world_size)]
             pg.apply(follow_phase_threads, calls, label="follow_threads").wait(timeout=60)
         # Overlapping phases: the generators' memory is not a phase's (not measured).
-        memory = PhaseMemory(
-            {"policy": pg} if cfg.async_grpo else {"policy": pg, "generation": generation}
-        )
-        refitter = Refitter(policy, generation, cfg.refit_transport)
-        metrics.log_config(
-            {**asdict(cfg), "model_dir": base_dir, "max_total_sequence_length": max_seq}
-        )
+        groups = {"policy": pg} if cfg.async_grpo else {"policy": pg, "generation": self.generation}
+        self.memory = PhaseMemory(groups)
+        self.refitter = Refitter(self.policy, self.generation, cfg.refit_transport)
 
-        # -- supervised warm-up (fresh tiny runs): its result is the reference policy ----
-        if ckpt is None and warm:
+    def warm_up_or_resume(self, ckpt: str | None, metrics: Any) -> int:
+        """A fresh tiny run's supervised warm-up (its result becomes the reference), or a
+        resumed run's step and random states; returns the step to continue from."""
+        from phalanx.algorithms.grpo_tiny_task import sft_batch
+        from phalanx.llm.loss import NLLLoss
+
+        cfg, plan, policy = self.cfg, self.plan, self.policy
+        start_step = 0
+        if ckpt is None and plan.warm:
             on_policy_workers(policy, set_worker_lr, cfg.warmup_lr, "set_lr")
             sft = {
                 "gbs": cfg.warmup_batch_size,
                 "mbs": cfg.warmup_batch_size // cfg.num_policy_workers,
             }
-            with bar.waiting(f"supervised warm-up, {cfg.warmup_steps} steps"):
+            with self.bar.waiting(f"supervised warm-up, {cfg.warmup_steps} steps"):
                 for i in range(cfg.warmup_steps):
-                    pairs = [(e.prompt, e.answer) for e in task.sample(cfg.warmup_batch_size)]
-                    out = policy.train(sft_batch(tokenizer, pairs), NLLLoss(), **sft)
+                    pairs = [(e.prompt, e.answer) for e in self.task.sample(cfg.warmup_batch_size)]
+                    out = policy.train(sft_batch(plan.tokenizer, pairs), NLLLoss(), **sft)
                     if i == cfg.warmup_steps - 1 or i % 10 == 0:
                         metrics.log(-cfg.warmup_steps + i, {"sft_loss": float(out["loss"].mean())})
-                pg.call("update_reference_model").wait(timeout=300)
-                _save_hf_model(policy, base_dir, sft_dir, tokenizer)
+                policy.worker_group.call("update_reference_model").wait(timeout=300)
+                _save_hf_model(policy, plan.base_dir, plan.sft_dir, plan.tokenizer)
                 on_policy_workers(policy, reset_worker_optimizer, cfg.lr, "reset_optimizer")
         elif ckpt is not None:
             with open(os.path.join(ckpt, "state.json")) as f:
                 state = json.load(f)
             start_step = state["step"]
-            task.rng.setstate(_to_rng_state(state["task_rng"]))
+            self.task.rng.setstate(_to_rng_state(state["task_rng"]))
             torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
-        if start_step or warm:
-            refitter.refit()  # the generators start from the base model's weights
+        if start_step or plan.warm:
+            self.refitter.refit()  # the generators start from the base model's weights
+        return start_step
 
-        loss_fn = OnPolicyPGLossFn(
-            ClippedPGLossConfig(cfg.clip_eps_low, cfg.clip_eps_high, cfg.kl_beta)
-        )
-        tiny_pairs = (
-            [(e.prompt, e.answer) for e in task.heldout] if cfg.task == "tiny-addition" else None
-        )
+    def start_rollouts(self, start_step: int) -> Any:
+        """Where each step's batch comes from: made on demand (sync) or by a collector
+        that runs ahead with older weights (async)."""
+        cfg = self.cfg
 
-        def evaluate(step: int) -> dict[str, Any]:
-            with bar.waiting(f"held-out evaluation ({len(task.heldout)} problems, greedy)"):
-                t = time.perf_counter()
-                if phase is not None:  # async, shared: nothing else runs, every core
-                    every = len(os.sched_getaffinity(0)) // cfg.num_generation_workers
-                    place_group(generation, max(1, every), None)
-                try:
-                    row, samples = evaluate_accuracy(
-                        generation, tokenizer, task, cfg.system_prompt, cfg.generation_timeout_s
-                    )
-                finally:
-                    if phase is not None:
-                        place_group(generation, gen_threads, None)
-                if tiny_pairs is not None:
-                    row["p_correct"] = answer_probability(policy, tokenizer, tiny_pairs)
-                    p_correct.append((step, row["p_correct"]))
-                row["time/eval"] = time.perf_counter() - t
-            evals.append((step, row["eval/accuracy"]))
-            bar.log(f"[grpo] step {step}: held-out accuracy {row['eval/accuracy']:.3f}")
-            for prompt, response, reward in samples:
-                bar.log(f"  {prompt!r} -> {response!r} (reward {reward:g})")
-            return row
-
-        if cfg.eval_every and cfg.eval_at_start:
-            metrics.log(start_step, evaluate(start_step))
-        bar.update(start_step)
-
-        def make_batch() -> px.BatchedDataDict:
+        def make_batch() -> Any:
             # Asynchronous: a failed batch is dropped, the collector counts the failure.
-            return rollout(cfg, task, tokenizer, lambda prompts: generate(
-                generation, prompts, cfg.generation_timeout_s, retry=not cfg.async_grpo
+            return rollout(cfg, self.task, self.plan.tokenizer, lambda prompts: generate(
+                self.generation, prompts, cfg.generation_timeout_s, retry=not cfg.async_grpo
             ))  # fmt: skip
 
         if cfg.async_grpo:
-            rollouts = AsyncRollouts(
-                make_batch, refitter.refit, generation,
+            self.rollouts = AsyncRollouts(
+                make_batch, self.refitter.refit, self.generation,
                 max_trajectory_age_steps=cfg.max_trajectory_age_steps,
                 max_generation_failures=cfg.max_generation_failures,
                 start_version=start_step, timeout_s=cfg.generation_timeout_s,
-                on_generating=phase.generating if phase is not None else None,
+                on_generating=self.phase.generating if self.phase is not None else None,
             )  # fmt: skip
         else:
-            rollouts = SyncRollouts(make_batch, refitter.refit, memory)
-        for step in range(start_step + 1, cfg.steps + 1):
-            times: dict[str, float] = {}
-            mem: dict[str, float] = {}
-            t0 = time.perf_counter()
+            self.rollouts = SyncRollouts(make_batch, self.refitter.refit, self.memory)
+        return self.rollouts
 
-            # 1-4. a batch of trajectories: prompts, each repeated samples_per_prompt times
-            #      (a group per prompt), responses, rewards, advantages within each group
-            with bar.waiting(f"generating {batch} responses"):
-                traj, info = rollouts.take(step)
-            data = training_batch(traj)  # 5. the loss counts the generated tokens only
-            if cfg.async_grpo:  # the ratio's "old" log-probs: the generating weights'
-                data["generation_logprobs"] = traj["generation_logprobs"][
-                    :, : data["input_ids"].shape[1]
-                ]
-                data["generation_is_current"] = (traj["version"] == step - 1).float()
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """Greedy accuracy on the held-out split (and the tiny task's answer probability)."""
+        cfg, task = self.cfg, self.task
+        with self.bar.waiting(f"held-out evaluation ({len(task.heldout)} problems, greedy)"):
+            t = time.perf_counter()
+            if self.phase is not None:  # async, shared: nothing else runs, every core
+                every = len(os.sched_getaffinity(0)) // cfg.num_generation_workers
+                place_group(self.generation, max(1, every), None)
+            try:
+                row, samples = evaluate_accuracy(
+                    self.generation, self.plan.tokenizer, task, cfg.system_prompt,
+                    cfg.generation_timeout_s,
+                )  # fmt: skip
+            finally:
+                if self.phase is not None:
+                    place_group(self.generation, self.plan.gen_threads, None)
+            if cfg.task == "tiny-addition":
+                pairs = [(e.prompt, e.answer) for e in task.heldout]
+                row["p_correct"] = answer_probability(self.policy, self.plan.tokenizer, pairs)
+                self.p_correct.append((step, row["p_correct"]))
+            row["time/eval"] = time.perf_counter() - t
+        self.evals.append((step, row["eval/accuracy"]))
+        self.bar.log(f"[grpo] step {step}: held-out accuracy {row['eval/accuracy']:.3f}")
+        for prompt, response, reward in samples:
+            self.bar.log(f"  {prompt!r} -> {response!r} (reward {reward:g})")
+        return row
 
-            # 6. log-probs: the old policy's only when several updates share a batch; the
-            #    reference's only when the KL penalty is on
-            t1 = time.perf_counter()
-            memory.reset()
-            with bar.waiting("log-probs"):
-                if not on_policy:
-                    own = policy.get_logprobs(data)["logprobs"]
-                    data["prev_logprobs"] = behaviour_logprobs(own, data)
-                if cfg.kl_beta > 0:
-                    data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)[
-                        "reference_logprobs"
-                    ]
-            times["logprobs"] = time.perf_counter() - t1
-            if not on_policy or cfg.kl_beta > 0:
-                mem["logprobs"] = memory.peak()
+    def restarts(self) -> dict[str, int]:
+        """Restart counts for the step's metrics row."""
+        return {"generation_restarts": self.generation.num_remote_worker_restarts()}
 
-            # 7. policy-gradient step(s)
-            t2 = time.perf_counter()
-            memory.reset()
-            with bar.waiting("training"):
-                out = policy.train(data, loss_fn)
-            times["training"] = time.perf_counter() - t2
-            mem["training"] = memory.peak()
-            if on_training is not None:
-                t_hook = time.perf_counter()
-                on_training(step, policy)
-                t0 += time.perf_counter() - t_hook
-
-            # 8. refit the generators with the new weights (between generation batches);
-            #    an evaluation follows under the same pause of the collector
-            out_of_time = (
-                cfg.time_limit_s is not None and time.perf_counter() - t_start >= cfg.time_limit_s
-            )
-            last = step == cfg.steps or out_of_time
-            evaluating = bool(cfg.eval_every) and (step % cfg.eval_every == 0 or last)
-            hold = contextlib.ExitStack()
-            held_wait = hold.enter_context(rollouts.paused()) if evaluating else 0.0
-            with hold:
-                with bar.waiting("refit"):
-                    info.update(rollouts.refit())
-                if cfg.async_grpo:
-                    info["time/refit_wait"] += held_wait
-                    info["time/training_wait"] += info["time/refit_wait"]
-                if evaluating:
-                    info.update(evaluate(step))
-
-            mb = out["all_mb_metrics"]
-            ntok = max(sum(mb["num_valid_tokens"]), 1)
-            row = {
-                **rollout_metrics(traj, cfg.samples_per_prompt),
-                "loss": float(out["loss"].mean()),
-                "grad_norm": float(out["grad_norm"].mean()),
-                "kl": sum(mb["kl_sum"]) / ntok,
-                "entropy": sum(mb["entropy_sum"]) / ntok,
-                "clip_frac": sum(mb["clip_frac_sum"]) / ntok,
-                "ratio_mean": sum(mb["ratio_sum"]) / ntok,
-                "generation_restarts": generation.num_remote_worker_restarts(),
-                "elapsed_s": time.perf_counter() - t_start,
-                **info,
-                **{f"time/{k}": v for k, v in times.items()},
-                **{f"memory/{k}_peak_gb": v for k, v in mem.items()},
-            }
-            if "time/generation" in row:
-                gen_tokens = int(traj["generation_lengths"].sum())
-                row["throughput/tokens_per_s"] = gen_tokens / max(row["time/generation"], 1e-9)
-            train_tokens = int(data["input_lengths"].sum())  # prompt + response, no padding
-            row["train/tokens"] = train_tokens
-            row["throughput/train_tokens_per_s"] = train_tokens / max(times["training"], 1e-9)
-            row["time/step"] = time.perf_counter() - t0  # the evaluation included
-            metrics.log(step, row)
-            history.append({"step": step, **row})
-            bar.update(
-                step, {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
-            )
-
-            # 9. checkpoint
-            if step % cfg.checkpoint_every == 0 or last:
-                with bar.waiting("checkpoint"):
-                    _checkpoint(cfg, policy, task, step)
-            if out_of_time:
-                bar.log(f"[grpo] time limit {cfg.time_limit_s:.0f} s reached after step {step}")
-                break
-    except BaseException:  # an error or an interrupt: a worker stuck in a call is not waited for
-        failed = True
-        raise
-    finally:
-        bar.close()
-        metrics.close()
-        deadline = time.monotonic() + (5.0 if failed else 60.0)  # for the whole clean-up
+    def close(self, failed: bool) -> None:
+        """Stop the collector and every group; after a failure a stuck worker gets a short
+        grace (5 s for the whole clean-up, else 60 s)."""
+        deadline = time.monotonic() + (5.0 if failed else 60.0)
 
         def grace_s() -> float:
             return max(0.5, deadline - time.monotonic())
 
-        if rollouts is not None:
-            rollouts.close()
-        if generation is not None:
-            generation.shutdown(timeout=grace_s())
-        if refitter is not None:
-            refitter.close()  # its shared-memory ring goes
-        policy.worker_group.shutdown(cleanup_method="shutdown", timeout=grace_s())
-        if isinstance(rollouts, AsyncRollouts):
-            rollouts.join(grace_s())
-        if phase is not None:
-            phase.close()
-    from phalanx.observe.metrics import read_metrics
-    from phalanx.observe.plots import plot_learning_curve
+        if self.rollouts is not None:
+            self.rollouts.close()
+        if self.generation is not None:
+            self.generation.shutdown(timeout=grace_s())
+        if self.refitter is not None:
+            self.refitter.close()  # its shared-memory ring goes
+        if self.policy is not None:
+            self.policy.worker_group.shutdown(cleanup_method="shutdown", timeout=grace_s())
+        if isinstance(self.rollouts, AsyncRollouts):
+            self.rollouts.join(grace_s())
+        if self.phase is not None:
+            self.phase.close()
 
-    curve: str | None = os.path.join(cfg.run_dir, "curve.png")
-    if not plot_learning_curve(read_metrics(cfg.run_dir), curve, f"GRPO {cfg.task}"):
-        curve = None
-    return {
-        "history": history,
-        "eval_accuracy": evals,
-        "p_correct": p_correct,
-        "run_dir": cfg.run_dir,
-        "model_dir": base_dir,
-        "curve": curve,
-        "wall_s": time.perf_counter() - t_start,
-    }
+    def result(self, t_start: float) -> dict[str, Any]:
+        """What ``train`` returns; writes the learning curve."""
+        from phalanx.observe.metrics import read_metrics
+        from phalanx.observe.plots import plot_learning_curve
+
+        cfg = self.cfg
+        curve: str | None = os.path.join(cfg.run_dir, "curve.png")
+        if not plot_learning_curve(read_metrics(cfg.run_dir), curve, f"GRPO {cfg.task}"):
+            curve = None
+        return {
+            "history": self.history,
+            "eval_accuracy": self.evals,
+            "p_correct": self.p_correct,
+            "run_dir": cfg.run_dir,
+            "model_dir": self.plan.base_dir,
+            "curve": curve,
+            "wall_s": time.perf_counter() - t_start,
+        }
 
 
 def _checkpoint(cfg: GRPOConfig, policy: Any, task: Any, step: int) -> None:

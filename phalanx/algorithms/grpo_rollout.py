@@ -46,7 +46,7 @@ def rollout(
     """Sample ``cfg.prompts_per_step`` problems, ``cfg.samples_per_prompt`` responses each
     through ``generate_fn`` (prompt batch -> generation output), and score them."""
     from phalanx.algorithms.grpo_chat import encode_chat_prompts
-    from phalanx.algorithms.grpo_workers import score
+    from phalanx.algorithms.grpo_group_calls import score
 
     problems = task.sample(cfg.prompts_per_step)
     ids, lengths = encode_chat_prompts(tokenizer, [e.prompt for e in problems], cfg.system_prompt)

@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 # ``probe_unhealthy_workers`` needs a wait > 0: the probe before each round does not wait
 # for restarts under way (they come back in a later round).
-_NO_WAIT_S = 1e-3
+_PROBE_POLL_S = 1e-3
 # With every runner out, how long ``sample`` waits for a restart under way to finish
 # (beyond the probe timeout), with a wide margin for a loaded machine.
 RESTART_WAIT_S = 180.0
@@ -409,7 +409,7 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         """
         if self._group is None:
             return None
-        self._probe(_NO_WAIT_S)
+        self._probe(_PROBE_POLL_S)
         ranks = self._in_service() or self._wait_for_any(self._restart_wait_s())
         if not ranks:
             health = self._group.health()
@@ -437,7 +437,7 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         finish) while a restart is under way, up to ``timeout``; the ranks in service."""
         deadline = time.monotonic() + timeout
         while True:
-            self._probe(_NO_WAIT_S)
+            self._probe(_PROBE_POLL_S)
             ranks = self._in_service()
             left = deadline - time.monotonic()
             if ranks or left <= 0:

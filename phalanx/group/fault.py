@@ -222,7 +222,7 @@ class FaultState:
         self._restarting: dict[int, threading.Thread] = {}
         # Out of service until probed (``until_probed``): rank -> the ref of its stalled
         # call still running, or None.
-        self._out: dict[int, Any] = {}
+        self._out_of_service: dict[int, Any] = {}
         self._closed = False
 
     # -- setup ----------------------------------------------------------------------------
@@ -231,7 +231,7 @@ class FaultState:
         with self._cond:
             self._health = [WorkerHealth.HEALTHY] * world
             self.not_healthy = set()
-            self._out = {}
+            self._out_of_service = {}
             now = time.monotonic()
             self._attempts = [[] for _ in range(world)]
             for rank, n in (startup_restarts or {}).items():
@@ -321,8 +321,8 @@ class FaultState:
         if new != WorkerHealth.HEALTHY:
             self.not_healthy.add(rank)
             if self.policy.until_probed:
-                self._out.setdefault(rank, None)
-        elif rank not in self._out:
+                self._out_of_service.setdefault(rank, None)
+        elif rank not in self._out_of_service:
             self.not_healthy.discard(rank)
         self._events.append(HealthEvent(rank, old, new, reason, time.time()))
         logger.info("rank %d: %s -> %s (%s)", rank, old.value, new.value, reason)
@@ -365,7 +365,7 @@ class FaultState:
             if self._closed or self._health[rank] != WorkerHealth.HEALTHY:
                 return
             if self.policy.until_probed:
-                self._out[rank] = running
+                self._out_of_service[rank] = running
                 self.not_healthy.add(rank)
                 if not self.can_restart(rank):
                     logger.info("rank %d: out of service until probed (%s)", rank, reason)
@@ -447,8 +447,8 @@ class FaultState:
                 self._set(rank, WorkerHealth.UNHEALTHY, f"restore failed: {first_line(e)}")
             return
         with self._cond:
-            if rank in self._out:
-                self._out[rank] = None  # its stalled call died with the old process
+            if rank in self._out_of_service:
+                self._out_of_service[rank] = None  # its stalled call died with the old process
             else:
                 self._recoveries += 1
                 self._recovered_since_probe.add(rank)
@@ -544,7 +544,7 @@ class FaultState:
             for r in ranks:
                 if self._health[r] == WorkerHealth.UNHEALTHY and r not in self._restarting:
                     self._set(r, WorkerHealth.HEALTHY, "answered a call (mark_healthy)")
-                if r in self._out and self._health[r] == WorkerHealth.HEALTHY:
+                if r in self._out_of_service and self._health[r] == WorkerHealth.HEALTHY:
                     self._back(r)
 
     def set_in_service(self, rank: int, healthy: bool, reason: str) -> None:
@@ -554,12 +554,12 @@ class FaultState:
             if self._closed or rank in self._restarting:
                 return
             self._set(rank, WorkerHealth.HEALTHY if healthy else WorkerHealth.UNHEALTHY, reason)
-            if healthy and rank in self._out:
+            if healthy and rank in self._out_of_service:
                 self._back(rank)
 
     def _back(self, rank: int) -> None:
         """``rank`` is back in service: one restart in RLlib's count."""
-        del self._out[rank]
+        del self._out_of_service[rank]
         self.not_healthy.discard(rank)
         self._recoveries += 1
         self._recovered_since_probe.add(rank)
@@ -614,7 +614,7 @@ class FaultState:
         with self._cond:
             out = [
                 (r, ref)
-                for r, ref in self._out.items()
+                for r, ref in self._out_of_service.items()
                 if self._health[r] == WorkerHealth.HEALTHY and r not in self._restarting
             ]
         for rank, running in out:
@@ -623,7 +623,7 @@ class FaultState:
             actor = members.actor(rank)
             if self._answers(actor, limit) and self._restored(members, rank, actor, limit):
                 with self._cond:
-                    if rank in self._out:
+                    if rank in self._out_of_service:
                         self._back(rank)
 
     @staticmethod

@@ -145,7 +145,7 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
         self.logprob_chunk_size = self.cfg.get("logprob_chunk_size")
         # dtensor_cfg._v2: NeMo-RL's Automodel worker; phalanx runs this worker with its
         # observable differences (per-micro-batch metrics).
-        self.v2 = bool(dcfg.get("_v2", False))
+        self.automodel_metrics = bool(dcfg.get("_v2", False))
         self.mode = (
             "dynamic"
             if dynamic_batching_enabled(self.cfg)
@@ -441,7 +441,7 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
                         (loss * self.dp_size).backward()
                 if metrics is not None:
                     gb_loss += loss.detach()
-                    if self.v2:  # NeMo-RL's v2 worker adds these to every micro-batch
+                    if self.automodel_metrics:  # NeMo-RL's v2 worker adds these
                         metrics = {
                             **metrics,
                             "lr": self.optimizer.param_groups[0]["lr"] if self.optimizer else None,

@@ -213,6 +213,11 @@ class Progress:
         finally:
             self._set_waiting(previous, previous_since)
 
+    @property
+    def waiting_for(self) -> str | None:
+        """What the innermost running ``waiting`` block shows, or None."""
+        return self._waiting
+
     def log(self, message: str) -> None:
         """Print a message above the live display (or as a line)."""
         if self.enabled and not self._closed:

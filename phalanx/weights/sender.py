@@ -46,7 +46,7 @@ from phalanx.weights.layout import (
     views,
 )
 from phalanx.weights.targets import NoModelError, WeightMismatchError
-from phalanx.weights.transports.base import Send
+from phalanx.weights.transports.base import Delivery
 from phalanx.weights.transports.collective import ping
 from phalanx.weights.transports.registry import CHOICES, sender_halves
 from phalanx.weights.transports.shm import is_full
@@ -164,9 +164,9 @@ class WeightSender:
         self.apply_timeout_s = apply_timeout_s if apply_timeout_s is not None else self.timeout_s
         self.timers = timers if timers is not None else TimerRecorder()
         self.shm_max_bytes = None if shm_max_mb is None else int(shm_max_mb * 2**20)
-        self._pending: Send | None = None
-        self._halves = sender_halves(self)  # transport name -> its sender half
-        self._ring = self._halves["shm"]
+        self._pending: Delivery | None = None
+        self._transport_senders = sender_halves(self)  # transport name -> its sender half
+        self._shm_sender = self._transport_senders["shm"]
         self._shm_full = False  # "auto" found /dev/shm full: the object store from then on
         self._last: tuple[int, Any, bool] | None = None  # (version, source, strict)
         self._prepared: tuple[int, Any, bool] | None = None  # the latest send_prepared
@@ -188,7 +188,7 @@ class WeightSender:
     def shared_buffers(self) -> list[str]:
         """Paths of the same-node shared buffers this sender may still write (retired
         ones, which some receiver may still read, are not listed)."""
-        return self._ring.paths
+        return self._shm_sender.paths
 
     @property
     def pending(self) -> bool:
@@ -296,13 +296,17 @@ class WeightSender:
         if transport == "shm":
             if not isinstance(payload.get("path"), str):
                 raise ValueError("send_prepared('shm'): payload needs the segment's 'path'")
-            kept = self._ring.commit(payload["path"], self._version)
+            kept = self._shm_sender.commit(payload["path"], self._version)
             if kept is not None:  # one of our buffers: read-only receivers view it
                 ring_path = kept.path
-                payload = {"path": ring_path, "ring": True, "retired": self._ring.take_retired()}
+                payload = {
+                    "path": ring_path,
+                    "ring": True,
+                    "retired": self._shm_sender.take_retired(),
+                }
             else:
                 payload = {**payload, "ring": False}
-        p = Send(self._version, ranks, transport, layout, [], time.perf_counter())
+        p = Delivery(self._version, ranks, transport, layout, [], time.perf_counter())
         p.strict, p.prepared, p.ring_path = strict, True, ring_path
         p.routes = dict.fromkeys(ranks, transport)
         if beside_calls:
@@ -333,7 +337,7 @@ class WeightSender:
         check_int(nbytes, "nbytes", minimum=1)
         if self._pending is not None:
             raise RuntimeError("reserve_shared_buffer(): a send is pending; call wait_async()")
-        return self._ring.reserve(nbytes)
+        return self._shm_sender.reserve(nbytes)
 
     def close(self) -> None:
         """Release the shared buffers, the process groups, the last snapshot and the
@@ -383,7 +387,7 @@ class WeightSender:
 
     def _start(
         self, weights: Any, worker_ids: Any, snapshot: bool, strict: bool | None = None
-    ) -> Send:
+    ) -> Delivery:
         strict = self._strict(strict)
         ranks = self._ranks(worker_ids)
         t0 = time.perf_counter()
@@ -395,7 +399,7 @@ class WeightSender:
         timings = {"gather": time.perf_counter() - t0}
         self._version += 1
         version = self._version
-        p = Send(version, ranks, self.transport, layout, sources, t0, timings, strict=strict)
+        p = Delivery(version, ranks, self.transport, layout, sources, t0, timings, strict=strict)
         p.source = weights if weights is not None else self.model
         p.routes = self._route(ranks, sources)
         t1 = time.perf_counter()
@@ -408,7 +412,7 @@ class WeightSender:
                 kind = p.routes[r]
                 p.refs[r] = self._apply_remote(r, kind, version, layout, payloads[kind], strict)
         for kind in payloads:
-            self._halves[kind].start(p, snapshot)
+            self._transport_senders[kind].start(p, snapshot)
         return p
 
     def _apply_remote(
@@ -446,7 +450,7 @@ class WeightSender:
                 route[r] = "object_store"
         return route
 
-    def _place(self, p: Send) -> dict[str, Any]:
+    def _place(self, p: Delivery) -> dict[str, Any]:
         """Each transport the routes name places the bytes once; its payload by name."""
         payloads: dict[str, Any] = {}
         kinds = list(dict.fromkeys(p.routes.values()))
@@ -454,7 +458,7 @@ class WeightSender:
             kind = kinds.pop(0)
             members = [r for r in p.ranks if p.routes[r] == kind]
             try:
-                payloads[kind] = self._halves[kind].place(p, members)
+                payloads[kind] = self._transport_senders[kind].place(p, members)
             except OSError as e:
                 if kind != "shm" or self.transport != "auto" or not is_full(e):
                     raise
@@ -467,13 +471,13 @@ class WeightSender:
         return payloads
 
     def _put(self, version: int, layout: Layout, sources: list[torch.Tensor]) -> dict[str, Any]:
-        return self._halves["object_store"].put(version, layout, sources)
+        return self._transport_senders["object_store"].put(version, layout, sources)
 
     # -- completion ---------------------------------------------------------------------
-    def _finish(self, p: Send) -> SyncResult:
+    def _finish(self, p: Delivery) -> SyncResult:
         deadline = p.t0 + self.timeout_s
         for kind in dict.fromkeys(p.routes.values()):
-            self._halves[kind].finish(p, deadline)
+            self._transport_senders[kind].finish(p, deadline)
         result = SyncResult(p.version, transport=p.transport, routes=p.routes)
         result.failed.update(p.dead)
         mismatches: dict[int, BaseException] = {}
@@ -483,7 +487,7 @@ class WeightSender:
             # (never rewritten) rather than overwrite what it would read.
             holds = {r: a.get("holds") for r, a in acks.items()}
             unanswered = [r for r in result.failed if p.routes.get(r) == "shm"]
-            self._ring.settle(p.ring_path, holds, unanswered)
+            self._shm_sender.settle(p.ring_path, holds, unanswered)
         broke = p.thread_error or (p.thread and p.thread.is_alive())
         errored = [
             r for r, why in result.failed.items() if r not in mismatches and _LATE not in why
@@ -492,7 +496,7 @@ class WeightSender:
             # The broadcast broke (a receiver died mid-way) or a receiver failed in it (it
             # may be torn): drop the groups, re-send the same version to the survivors
             # through the object store.
-            self._halves["collective"].drop_groups()
+            self._transport_senders["collective"].drop_groups()
             redo = [
                 r
                 for r in p.ranks
@@ -584,7 +588,7 @@ class WeightSender:
         not kept, the weights are taken again from the last source (the model or the
         weights object given), so they are its current values.
         """
-        self._ring.forget(ranks)  # new processes: they view no buffer
+        self._shm_sender.forget(ranks)  # new processes: they view no buffer
         if self._pending is not None:
             self.wait_async()
         if self._prepared is not None and self._prepared[0] == self._version:
@@ -593,7 +597,7 @@ class WeightSender:
         if self._last is None:
             return
         version, source, strict = self._last
-        last_os = self._halves["object_store"].last
+        last_os = self._transport_senders["object_store"].last
         if last_os is not None and last_os[0] == version:
             _, layout, payload = last_os
         else:
@@ -607,7 +611,7 @@ class WeightSender:
             return  # a broadcast is not kept: the caller restores (e.g. llm.refit)
         transport, layout, payload, kept = replay
         ranks = self._ranks(ranks)
-        if kept is not None and not self._ring.owns(kept.path):
+        if kept is not None and not self._shm_sender.owns(kept.path):
             # The ring retired that buffer (a receiver did not answer): send the bytes
             # the sender still maps through the object store instead.
             transport = "object_store"
@@ -632,7 +636,7 @@ class WeightSender:
         acks = self._collect(refs, time.perf_counter() + self.timeout_s, result, {})
         if kept is not None and transport == "shm":
             holds = {r: a.get("holds") for r, a in acks.items()}
-            self._ring.settle(kept.path, holds, list(result.failed))
+            self._shm_sender.settle(kept.path, holds, list(result.failed))
         if result.failed:
             raise RuntimeError(
                 f"weights restore to ranks {sorted(result.failed)} failed: {result.failed}"
@@ -641,7 +645,7 @@ class WeightSender:
     @staticmethod
     def _cleanup(state: dict[str, Any], remove_hook: Any) -> None:
         remove_hook()
-        for half in state.get("_halves", {}).values():
+        for half in state.get("_transport_senders", {}).values():
             half.close()
         _shm_files.reap_orphans()
         state["_prepared"] = None
@@ -679,7 +683,7 @@ class RayModuleTransformSender(WeightSender):
 
     def _start(
         self, weights: Any, worker_ids: Any, snapshot: bool, strict: bool | None = None
-    ) -> Send:
+    ) -> Delivery:
         return super()._start(
             weights, self.worker_id if worker_ids is None else worker_ids, snapshot, strict
         )

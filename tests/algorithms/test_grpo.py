@@ -20,8 +20,8 @@ from phalanx.algorithms.grpo import (
     group_normalized_advantages,
     train,
 )
+from phalanx.algorithms.grpo_group_calls import generate as _generate
 from phalanx.algorithms.grpo_loss import OnPolicyPGLossFn
-from phalanx.algorithms.grpo_workers import generate as _generate
 from phalanx.llm.loss import ClippedPGLossConfig, ClippedPGLossFn, token_logprobs
 
 

@@ -21,7 +21,7 @@ from phalanx.weights.layout import Layout
 
 
 @dataclass
-class Send:
+class Delivery:
     """One version on its way: who gets it, through what, and what must stay alive."""
 
     version: int
@@ -52,15 +52,15 @@ class SenderHalf(ABC):
         self.owner = owner
 
     @abstractmethod
-    def place(self, send: Send, ranks: list[int]) -> Any:
+    def place(self, send: Delivery, ranks: list[int]) -> Any:
         """Put ``send``'s bytes where ``ranks`` will read them; the payload they get."""
 
-    def start(self, send: Send, snapshot: bool) -> None:
+    def start(self, send: Delivery, snapshot: bool) -> None:
         """Run once the receivers' apply calls are out (``snapshot``: the caller keeps
         changing its tensors, so copy them first)."""
         return None
 
-    def finish(self, send: Send, deadline: float) -> None:
+    def finish(self, send: Delivery, deadline: float) -> None:
         """Run before the acks are collected (``deadline``: ``time.perf_counter()``)."""
         return None
 

@@ -37,7 +37,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from phalanx.comm.process_group import broadcast, host_store, join_store, make_process_group
 from phalanx.weights.layout import Layout, as_bytes, pack_range, unpack_range, views
 from phalanx.weights.targets import copy_aliases, module_of, target_tensors, validate
-from phalanx.weights.transports.base import Send, SenderHalf
+from phalanx.weights.transports.base import Delivery, SenderHalf
 from phalanx.worker.weights_state import receiver_state
 
 _DIRECT_MIN = 1 << 20
@@ -366,7 +366,7 @@ class CollectiveSender(SenderHalf):
         self._snapshot: torch.Tensor | None = None  # send_async snapshot, reused
         self._group: tuple[Any, torch.device] | None = None  # (pg, device) of the send
 
-    def place(self, send: Send, ranks: list[int]) -> dict[str, Any] | None:
+    def place(self, send: Delivery, ranks: list[int]) -> dict[str, Any] | None:
         alive, dead = ping({r: self.owner.group.actors[r] for r in ranks})
         send.dead.update(dead)
         if not alive:
@@ -379,7 +379,7 @@ class CollectiveSender(SenderHalf):
         self._group = (pg, device)
         return {"key": key, "bucket_bytes": self.owner.bucket_bytes}
 
-    def start(self, send: Send, snapshot: bool) -> None:
+    def start(self, send: Delivery, snapshot: bool) -> None:
         if self._group is None:
             return
         (pg, device), self._group = self._group, None
@@ -413,7 +413,7 @@ class CollectiveSender(SenderHalf):
         send.thread = threading.Thread(target=run, name="phalanx-weights-bcast", daemon=True)
         send.thread.start()
 
-    def finish(self, send: Send, deadline: float) -> None:
+    def finish(self, send: Delivery, deadline: float) -> None:
         if send.thread is not None:
             send.thread.join(max(0.0, deadline - time.perf_counter()))
             if send.thread.is_alive():  # a stuck broadcast still holds these: use new ones

@@ -14,7 +14,7 @@ import torch
 
 from phalanx.comm.cuda_ipc import open_handle, share
 from phalanx.weights.layout import Layout, pack_range, views
-from phalanx.weights.transports.base import Send, SenderHalf
+from phalanx.weights.transports.base import Delivery, SenderHalf
 
 ipc_handle = share  # the weights layer's name for it
 
@@ -32,7 +32,7 @@ def pack_to_cuda(layout: Layout, sources: list[torch.Tensor], device: torch.devi
 class CudaIpcSender(SenderHalf):
     """Packs each version into a fresh CUDA buffer kept alive until its receivers are done."""
 
-    def place(self, send: Send, ranks: list[int]) -> Any:
+    def place(self, send: Delivery, ranks: list[int]) -> Any:
         flat = pack_to_cuda(send.layout, send.sources, send.sources[0].device)
         send.keep.append(flat)
         return ipc_handle(flat)

@@ -26,7 +26,7 @@ import ray
 import torch
 
 from phalanx.weights.layout import Layout, as_bytes, pack_range, views
-from phalanx.weights.transports.base import Send, SenderHalf
+from phalanx.weights.transports.base import Delivery, SenderHalf
 
 
 def needs_packing(layout: Layout, sources: list[torch.Tensor]) -> bool:
@@ -68,7 +68,7 @@ class ObjectStoreSender(SenderHalf):
         self.buffer: torch.Tensor | None = None
         self.last: tuple[int, Layout, Any] | None = None  # (version, layout, payload)
 
-    def place(self, send: Send, ranks: list[int]) -> dict[str, Any]:
+    def place(self, send: Delivery, ranks: list[int]) -> dict[str, Any]:
         return self.put(send.version, send.layout, send.sources)
 
     def put(self, version: int, layout: Layout, sources: list[torch.Tensor]) -> dict[str, Any]:

@@ -31,7 +31,7 @@ import torch
 
 from phalanx.comm.shm import SHM_DIR, Segment, segment_path
 from phalanx.weights.layout import Layout, pack_range, views
-from phalanx.weights.transports.base import Send, SenderHalf
+from phalanx.weights.transports.base import Delivery, SenderHalf
 from phalanx.worker.weights_state import receiver_state
 
 _CACHE = "shm_maps"
@@ -182,7 +182,7 @@ class ShmSender(ShmRing, SenderHalf):
         SenderHalf.__init__(self, owner)
         ShmRing.__init__(self, max_bytes=owner.shm_max_bytes)
 
-    def place(self, send: Send, ranks: list[int]) -> dict[str, Any]:
+    def place(self, send: Delivery, ranks: list[int]) -> dict[str, Any]:
         payload = self.write(send.layout, send.sources, send.version)
         send.ring_path = payload["path"]
         return payload
