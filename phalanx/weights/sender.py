@@ -299,11 +299,8 @@ class WeightSender:
             kept = self._shm_sender.commit(payload["path"], self._version)
             if kept is not None:  # one of our buffers: read-only receivers view it
                 ring_path = kept.path
-                payload = {
-                    "path": ring_path,
-                    "ring": True,
-                    "retired": self._shm_sender.take_retired(),
-                }
+                retired = self._shm_sender.take_retired()
+                payload = {"path": ring_path, "ring": True, "retired": retired}
             else:
                 payload = {**payload, "ring": False}
         p = Delivery(self._version, ranks, transport, layout, [], time.perf_counter())
