@@ -13,6 +13,7 @@ its workers, the run folder keeps its last checkpoint and metrics.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -29,6 +30,7 @@ from typing import Any, TypeVar
 import tyro
 
 C = TypeVar("C")
+R = TypeVar("R")
 
 DONE = 0
 BAD_INPUT = 1
@@ -61,6 +63,27 @@ class Interrupted(KeyboardInterrupt):
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
+
+
+def in_background(name: str, fn: Callable[..., R], *args: Any) -> concurrent.futures.Future[R]:
+    """Run ``fn(*args)`` on a daemon thread named ``name``; its future.
+
+    Not a thread pool's thread: the interpreter joins those at exit, so an interrupted
+    run would wait for start-up work that may never finish (a thread left inside an
+    import that the interrupt broke); a daemon thread is left behind at exit.
+    """
+    fut: concurrent.futures.Future[R] = concurrent.futures.Future()
+
+    def run() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
 
 
 # ------------------------------------------------------------------ flags and config files

@@ -27,7 +27,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -287,11 +287,9 @@ def train(
     ckpt = load_checkpoint(ckpt_path) if resume else None
 
     # 1. start-up: the learner is built on a helper thread while Ray and the runners start
-    pool = ThreadPoolExecutor(1, thread_name_prefix="ppo-learner-init")
-    learner_future: Future[Learner] = pool.submit(
-        _timed, times, "learner init", build_learner, cfg, ckpt
+    learner_future: Future[Learner] = harness.in_background(
+        "ppo-learner-init", _timed, times, "learner init", build_learner, cfg, ckpt
     )
-    pool.shutdown(wait=False)
     runners = None
     try:
         if cluster is None and cfg.num_env_runners > 0:
