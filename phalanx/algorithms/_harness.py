@@ -45,7 +45,10 @@ EXIT_CODES: dict[int, str] = {
     BAD_INPUT: "bad input: a config error or a missing file; nothing was started",
     USAGE: "usage error: an unknown flag or a flag value of the wrong type",
     BUDGET_SPENT: "the budget was spent before the stop criterion (--stop-return) was met",
-    RUNTIME_FAILURE: "runtime failure: Ray could not start, or a worker group failed",
+    RUNTIME_FAILURE: (
+        "runtime failure: Ray could not start, a worker group failed, or the run folder "
+        "could not be written (a full disk: the error names the file and ENOSPC)"
+    ),
     SIGINT_EXIT: "interrupted by SIGINT (Ctrl-C)",
     SIGTERM_EXIT: "terminated by SIGTERM",
 }
@@ -272,6 +275,8 @@ def run_command(prog: str, config_cls: type, run_dir: Path, body: Callable[[], i
         code, message = SIGTERM_EXIT, "interrupted by SIGTERM"
     except (ValueError, TypeError, FileNotFoundError) as e:
         code, message = BAD_INPUT, name_the_flag(str(e), config_cls)
+    except OSError as e:  # writing the run folder failed (a full disk)
+        code, message = RUNTIME_FAILURE, f"{type(e).__name__}: {e}"
     except _runtime_failures() as e:
         code, message = RUNTIME_FAILURE, f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
     if code != DONE and not ray_was_up:
@@ -296,8 +301,13 @@ def _leave_run_folder(run_dir: Path, existed: bool, code: int, message: str) -> 
         shutil.rmtree(run_dir, ignore_errors=True)
         return f"nothing was kept ({run_dir} removed: the run had not started)"
     status = "done" if code in (DONE, BUDGET_SPENT) else "interrupted" if code >= 128 else "failed"
-    (run_dir / STATUS_FILE).write_text(
-        json.dumps({"status": status, "exit_code": code, "message": message}) + "\n"
-    )
     kept = sorted(p.name for p in run_dir.iterdir() if p.name != STATUS_FILE)
+    try:
+        (run_dir / STATUS_FILE).write_text(
+            json.dumps({"status": status, "exit_code": code, "message": message}) + "\n"
+        )
+    except OSError as e:  # the disk is full: say so instead of failing here
+        with contextlib.suppress(OSError):
+            (run_dir / STATUS_FILE).unlink()
+        print(f"{run_dir / STATUS_FILE} could not be written: {e}", file=sys.stderr, flush=True)
     return f"{run_dir} keeps {', '.join(kept)} (resume with --resume --name {run_dir.name})"

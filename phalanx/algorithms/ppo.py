@@ -21,6 +21,9 @@ that use it). Every run ends with a breakdown of its wall time (``WallBreakdown`
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import json
 import math
 import os
@@ -153,10 +156,15 @@ def ppo_update(
 def save_checkpoint(path: Path, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     connector: dict[str, Any], timesteps: int, iteration: int, episodes: int,
                     cfg: PPOConfig, spaces: tuple[Any, Any]) -> None:  # fmt: skip
-    """Policy, optimizer, normaliser and counters; written atomically."""
+    """Policy, optimizer, normaliser and counters; written atomically.
+
+    A write that fails (a full disk) raises ``OSError`` naming ``path`` and the errno
+    (``ENOSPC``); the previous checkpoint stays and no partial file is left.
+    """
     import torch
 
     tmp = path.with_suffix(".tmp")
+    buf = io.BytesIO()  # serialised first: a failed write then is a plain OSError
     torch.save(
         {
             "policy": policy.state_dict(),
@@ -169,9 +177,23 @@ def save_checkpoint(path: Path, policy: torch.nn.Module, optimizer: torch.optim.
             "observation_space": spaces[0],
             "action_space": spaces[1],
         },
-        tmp,
+        buf,
     )
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buf.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        code = errno.errorcode.get(e.errno, str(e.errno)) if e.errno else type(e).__name__
+        raise OSError(
+            e.errno,
+            f"could not write the checkpoint {path} ({code}: {e.strerror or e}); the "
+            "previous checkpoint is kept",
+        ) from None
 
 
 _CHECKPOINT_KEYS = ("policy", "optimizer", "connector", "timesteps", "iteration", "episodes",
