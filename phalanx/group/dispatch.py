@@ -42,6 +42,17 @@ class DispatchError(ValueError, AssertionError):
     """
 
 
+RLLIB_FUNCS_MISMATCH = "Funcs must have the same number of callables as actor indices."
+
+
+def funcs_mismatch(funcs: int, ranks: int, workers: str = "workers") -> DispatchError:
+    """A list of ``funcs`` functions for ``ranks`` workers: RLlib's message (which code
+    written for RLlib matches), then phalanx's counts."""
+    return DispatchError(
+        f"{RLLIB_FUNCS_MISMATCH} (func: a list of {funcs} functions for {ranks} {workers})"
+    )
+
+
 def _bad_ranks(ranks: list[Any], world_size: int) -> tuple[list[Any], list[Any]]:
     """``(not ints, out of range)`` among ``ranks``, by ``checks.check_rank``'s rule."""
     not_int, out = [], []
@@ -257,7 +268,7 @@ def foreach_select(
         ranks = check_ranks(remote_worker_ids, world_size, "remote_worker_ids")
     funcs = func if isinstance(func, list) else None
     if funcs is not None and len(funcs) != len(ranks):
-        raise DispatchError(f"func: a list of {len(funcs)} functions for {len(ranks)} workers")
+        raise funcs_mismatch(len(funcs), len(ranks))
     bad = set(not_healthy) if healthy_only else set()
     if bad:
         keep = [i for i, r in enumerate(ranks) if r not in bad]
@@ -291,7 +302,7 @@ def foreach(
     kwargs = dict(kwargs or {})
     funcs = func if isinstance(func, list) else None
     if funcs is not None and len(funcs) != len(ranks):
-        raise DispatchError(f"func: a list of {len(funcs)} functions for {len(ranks)} workers")
+        raise funcs_mismatch(len(funcs), len(ranks))
     for f in funcs or [func]:
         if not (callable(f) or isinstance(f, str)):
             raise TypeError(f"func must be a callable or a method name, got {type(f).__name__}")
