@@ -183,9 +183,25 @@ def parse_flags(cls: type[C], argv: list[str], default: C, prog: str, descriptio
         raise SystemExit(DONE if e.code in (0, None) else USAGE) from None
 
 
+RUN_NAME_FORBIDDEN = ":/\\"  # a run name is a folder and part of worker-group names
+
+
+def check_run_name(name: str | None) -> None:
+    """``ValueError`` naming ``name`` when it cannot name a run (before anything starts)."""
+    if name is None:
+        return
+    if not isinstance(name, str) or not name.strip() or name in (".", ".."):
+        raise ValueError(f"name must be a non-empty folder name, got {name!r}")
+    bad = sorted({c for c in name if c in RUN_NAME_FORBIDDEN or c.isspace()})
+    if bad:
+        raise ValueError(f"name may not contain {' '.join(map(repr, bad))}, got {name!r}")
+
+
 def fresh_run_name(prefix: str, runs_dir: str | Path) -> str:
     """``prefix``, or ``prefix-2``, ``prefix-3``...: the first whose folder is absent or
-    empty, so a new run never writes into an earlier one."""
+    empty, so a new run never writes into an earlier one. Characters a run name may not
+    hold (``module:EnvId``, ``ALE/Pong-v5``) become ``-``."""
+    prefix = re.sub(rf"[{re.escape(RUN_NAME_FORBIDDEN)}\s]+", "-", prefix)
     name, i = prefix, 1
     while (Path(runs_dir) / name).is_dir() and any((Path(runs_dir) / name).iterdir()):
         i += 1
