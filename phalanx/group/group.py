@@ -409,6 +409,7 @@ class WorkerGroup(NemoFace, RllibFace):
 
     def execute_on(self, *ranks: int) -> _RankView:
         """The group restricted to ``ranks`` for the next call: ``g.execute_on(0, 3).hello()``."""
+        self._check_live()
         return _RankView(self, dispatch.execute_on(ranks, self.world_size, self.name))
 
     def call(
@@ -512,6 +513,7 @@ class WorkerGroup(NemoFace, RllibFace):
         return len(self._roster.actors)
 
     def _check_ranks(self, ranks: Any, arg: str) -> list[int]:
+        self._check_live()
         return dispatch.check_ranks(ranks, self.world_size, arg)
 
     # ------------------------------------------------------------------ health
