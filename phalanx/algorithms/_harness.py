@@ -134,7 +134,12 @@ def check_keys(
                 f"{source}: unknown {label} config key {key!r} "
                 f"(known: {sorted(f.name for f in dataclasses.fields(config_cls))})"
             )
-        if isinstance(value, list) and typing.get_origin(hints[name]) is tuple:
+        origin = typing.get_origin(hints[name]) or hints[name]
+        if origin is tuple and not isinstance(value, (list, tuple)):
+            raise ValueError(f"{name} must be a list (in {source}), got {value!r}")
+        if origin is dict and not isinstance(value, dict):
+            raise ValueError(f"{name} must be a mapping (in {source}), got {value!r}")
+        if isinstance(value, list) and origin is tuple:
             value = tuple(value)
         out[name] = value
     return out
