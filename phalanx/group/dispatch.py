@@ -10,6 +10,7 @@ its one dispatch. Nothing here touches Ray, so each style is tested without a cl
 from __future__ import annotations
 
 import itertools
+import pickle
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -394,6 +395,29 @@ def approx_nbytes(value: Any, budget: int = INLINE_LIMIT) -> int:
             seen.add(id(item))
             stack.append(iter(items))
     return total
+
+
+def unpicklable_argument(
+    group: str, method: str, rank: int, args: tuple, kwargs: dict, error: BaseException
+) -> pickle.PicklingError:
+    """The error for a call whose arguments Ray could not serialise, naming the argument
+    (found by serialising each on its own; called only once serialising failed)."""
+    from ray import cloudpickle
+
+    where = "an argument"
+    named = [(f"argument {i}", v) for i, v in enumerate(args)]
+    named += [(f"argument {k!r}", v) for k, v in kwargs.items()]
+    for label, value in named:
+        try:
+            cloudpickle.dumps(value)
+        except Exception:  # noqa: BLE001 - the one that fails is the one to name
+            where = label
+            break
+    why = (str(error).strip().splitlines() or [""])[0]
+    return pickle.PicklingError(
+        f"{group}.{method}() rank {rank}: {where} cannot be serialised "
+        f"({type(error).__name__}: {why})"
+    )
 
 
 def shared_values(calls: list[Call], is_ref: Callable[[Any], bool]) -> dict[int, Any]:
