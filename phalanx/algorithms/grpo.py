@@ -318,6 +318,7 @@ def train(
             with open(os.path.join(ckpt, "state.json")) as f:
                 state = json.load(f)
             start_step = state["step"]
+            metrics.drop_after(start_step)  # steps after the checkpoint are redone now
             task.rng.setstate(_to_rng_state(state["task_rng"]))
             torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         if start_step or warm:

@@ -359,6 +359,8 @@ def train(
     from phalanx.observe.progress import Progress
 
     log = MetricsLogger(run_dir, use_wandb=cfg.wandb)
+    if ckpt is not None:  # rows of iterations after the checkpoint are redone now
+        log.drop_after(timesteps)
     log.log_config({**asdict(cfg), "resumed_from": timesteps if ckpt else None})
     bar = Progress(
         total=cfg.max_timesteps, start=timesteps, title=f"PPO {cfg.env}", enabled=progress
