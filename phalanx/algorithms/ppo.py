@@ -226,6 +226,25 @@ def load_checkpoint(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return ckpt
 
 
+_NETWORK_FIELDS = ("env", "env_config", "hidden", "activation")  # what shapes the policy
+
+
+def check_resumable(ckpt: dict[str, Any], cfg: PPOConfig, path: Path) -> None:
+    """``ValueError`` naming the field and ``path`` when the checkpoint's policy was built
+    for another environment or network than ``cfg``'s (checked before anything starts)."""
+    saved = ckpt["config"]
+    for name in _NETWORK_FIELDS:
+        was, now = saved.get(name), getattr(cfg, name)
+        if isinstance(was, list):
+            was = tuple(was)
+        if name in saved and was != now:
+            raise ValueError(
+                f"{name}: the checkpoint {path} was trained with {name}={was!r}, not "
+                f"{now!r}; --resume continues a run with its own environment and network "
+                "(start a new run under another --name)"
+            )
+
+
 def build_policy(cfg: PPOConfig, observation_space: Any, action_space: Any) -> torch.nn.Module:
     from phalanx.envs.policy import ActorCritic
 
@@ -307,6 +326,8 @@ def train(
         )
 
     ckpt = load_checkpoint(ckpt_path) if resume else None
+    if ckpt is not None:
+        check_resumable(ckpt, cfg, ckpt_path)
 
     # 1. start-up: the learner is built on a helper thread while Ray and the runners start
     learner_future: Future[Learner] = harness.in_background(
