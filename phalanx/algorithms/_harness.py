@@ -13,6 +13,7 @@ its workers, the run folder keeps its last checkpoint and metrics.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -29,6 +30,7 @@ from typing import Any, TypeVar
 import tyro
 
 C = TypeVar("C")
+R = TypeVar("R")
 
 DONE = 0
 BAD_INPUT = 1
@@ -43,7 +45,10 @@ EXIT_CODES: dict[int, str] = {
     BAD_INPUT: "bad input: a config error or a missing file; nothing was started",
     USAGE: "usage error: an unknown flag or a flag value of the wrong type",
     BUDGET_SPENT: "the budget was spent before the stop criterion (--stop-return) was met",
-    RUNTIME_FAILURE: "runtime failure: Ray could not start, or a worker group failed",
+    RUNTIME_FAILURE: (
+        "runtime failure: Ray could not start, a worker group failed, or the run folder "
+        "could not be written (a full disk: the error names the file and ENOSPC)"
+    ),
     SIGINT_EXIT: "interrupted by SIGINT (Ctrl-C)",
     SIGTERM_EXIT: "terminated by SIGTERM",
 }
@@ -61,6 +66,27 @@ class Interrupted(KeyboardInterrupt):
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)
+
+
+def in_background(name: str, fn: Callable[..., R], *args: Any) -> concurrent.futures.Future[R]:
+    """Run ``fn(*args)`` on a daemon thread named ``name``; its future.
+
+    Not a thread pool's thread: the interpreter joins those at exit, so an interrupted
+    run would wait for start-up work that may never finish (a thread left inside an
+    import that the interrupt broke); a daemon thread is left behind at exit.
+    """
+    fut: concurrent.futures.Future[R] = concurrent.futures.Future()
+
+    def run() -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return fut
 
 
 # ------------------------------------------------------------------ flags and config files
@@ -108,7 +134,12 @@ def check_keys(
                 f"{source}: unknown {label} config key {key!r} "
                 f"(known: {sorted(f.name for f in dataclasses.fields(config_cls))})"
             )
-        if isinstance(value, list) and typing.get_origin(hints[name]) is tuple:
+        origin = typing.get_origin(hints[name]) or hints[name]
+        if origin is tuple and not isinstance(value, (list, tuple)):
+            raise ValueError(f"{name} must be a list (in {source}), got {value!r}")
+        if origin is dict and not isinstance(value, dict):
+            raise ValueError(f"{name} must be a mapping (in {source}), got {value!r}")
+        if isinstance(value, list) and origin is tuple:
             value = tuple(value)
         out[name] = value
     return out
@@ -157,9 +188,25 @@ def parse_flags(cls: type[C], argv: list[str], default: C, prog: str, descriptio
         raise SystemExit(DONE if e.code in (0, None) else USAGE) from None
 
 
+RUN_NAME_FORBIDDEN = ":/\\"  # a run name is a folder and part of worker-group names
+
+
+def check_run_name(name: str | None) -> None:
+    """``ValueError`` naming ``name`` when it cannot name a run (before anything starts)."""
+    if name is None:
+        return
+    if not isinstance(name, str) or not name.strip() or name in (".", ".."):
+        raise ValueError(f"name must be a non-empty folder name, got {name!r}")
+    bad = sorted({c for c in name if c in RUN_NAME_FORBIDDEN or c.isspace()})
+    if bad:
+        raise ValueError(f"name may not contain {' '.join(map(repr, bad))}, got {name!r}")
+
+
 def fresh_run_name(prefix: str, runs_dir: str | Path) -> str:
     """``prefix``, or ``prefix-2``, ``prefix-3``...: the first whose folder is absent or
-    empty, so a new run never writes into an earlier one."""
+    empty, so a new run never writes into an earlier one. Characters a run name may not
+    hold (``module:EnvId``, ``ALE/Pong-v5``) become ``-``."""
+    prefix = re.sub(rf"[{re.escape(RUN_NAME_FORBIDDEN)}\s]+", "-", prefix)
     name, i = prefix, 1
     while (Path(runs_dir) / name).is_dir() and any((Path(runs_dir) / name).iterdir()):
         i += 1
@@ -249,6 +296,8 @@ def run_command(prog: str, config_cls: type, run_dir: Path, body: Callable[[], i
         code, message = SIGTERM_EXIT, "interrupted by SIGTERM"
     except (ValueError, TypeError, FileNotFoundError) as e:
         code, message = BAD_INPUT, name_the_flag(str(e), config_cls)
+    except OSError as e:  # writing the run folder failed (a full disk)
+        code, message = RUNTIME_FAILURE, f"{type(e).__name__}: {e}"
     except _runtime_failures() as e:
         code, message = RUNTIME_FAILURE, f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"
     if code != DONE and not ray_was_up:
@@ -273,8 +322,13 @@ def _leave_run_folder(run_dir: Path, existed: bool, code: int, message: str) -> 
         shutil.rmtree(run_dir, ignore_errors=True)
         return f"nothing was kept ({run_dir} removed: the run had not started)"
     status = "done" if code in (DONE, BUDGET_SPENT) else "interrupted" if code >= 128 else "failed"
-    (run_dir / STATUS_FILE).write_text(
-        json.dumps({"status": status, "exit_code": code, "message": message}) + "\n"
-    )
     kept = sorted(p.name for p in run_dir.iterdir() if p.name != STATUS_FILE)
+    try:
+        (run_dir / STATUS_FILE).write_text(
+            json.dumps({"status": status, "exit_code": code, "message": message}) + "\n"
+        )
+    except OSError as e:  # the disk is full: say so instead of failing here
+        with contextlib.suppress(OSError):
+            (run_dir / STATUS_FILE).unlink()
+        print(f"{run_dir / STATUS_FILE} could not be written: {e}", file=sys.stderr, flush=True)
     return f"{run_dir} keeps {', '.join(kept)} (resume with --resume --name {run_dir.name})"

@@ -233,6 +233,7 @@ class GRPOConfig:
 
     def validate(self) -> None:
         """``ValueError``/``TypeError`` naming the first bad option (before anything starts)."""
+        harness.check_run_name(self.name)
         for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens",
                      "train_micro_batch_size", "logprob_micro_batch_size", "num_policy_workers",
                      "num_generation_workers", "warmup_batch_size", "checkpoint_every"):  # fmt: skip

@@ -322,6 +322,7 @@ class GRPORun:
             with open(os.path.join(ckpt, "state.json")) as f:
                 state = json.load(f)
             start_step = state["step"]
+            metrics.drop_after(start_step)  # steps after the checkpoint are redone now
             self.task.rng.setstate(_to_rng_state(state["task_rng"]))
             torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
         if start_step or plan.warm:

@@ -205,8 +205,15 @@ def load_jsonl(path: str) -> list[Example]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"task file {path!r} does not exist")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for no, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{no}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                    f"{e.start + 1})"
+                ) from None
             if not line.strip():
                 continue
             try:

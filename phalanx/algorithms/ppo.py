@@ -21,13 +21,16 @@ that use it). Every run ends with a breakdown of its wall time (``WallBreakdown`
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import json
 import math
 import os
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -153,10 +156,15 @@ def ppo_update(
 def save_checkpoint(path: Path, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     connector: dict[str, Any], timesteps: int, iteration: int, episodes: int,
                     cfg: PPOConfig, spaces: tuple[Any, Any]) -> None:  # fmt: skip
-    """Policy, optimizer, normaliser and counters; written atomically."""
+    """Policy, optimizer, normaliser and counters; written atomically.
+
+    A write that fails (a full disk) raises ``OSError`` naming ``path`` and the errno
+    (``ENOSPC``); the previous checkpoint stays and no partial file is left.
+    """
     import torch
 
     tmp = path.with_suffix(".tmp")
+    buf = io.BytesIO()  # serialised first: a failed write then is a plain OSError
     torch.save(
         {
             "policy": policy.state_dict(),
@@ -169,9 +177,23 @@ def save_checkpoint(path: Path, policy: torch.nn.Module, optimizer: torch.optim.
             "observation_space": spaces[0],
             "action_space": spaces[1],
         },
-        tmp,
+        buf,
     )
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(buf.getbuffer())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        code = errno.errorcode.get(e.errno, str(e.errno)) if e.errno else type(e).__name__
+        raise OSError(
+            e.errno,
+            f"could not write the checkpoint {path} ({code}: {e.strerror or e}); the "
+            "previous checkpoint is kept",
+        ) from None
 
 
 _CHECKPOINT_KEYS = ("policy", "optimizer", "connector", "timesteps", "iteration", "episodes",
@@ -202,6 +224,25 @@ def load_checkpoint(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
         raise ValueError(f"checkpoint {path} is not a PPO checkpoint (missing {missing})")
     harness.check_keys(ckpt["config"], PPOConfig, f"checkpoint {path}")
     return ckpt
+
+
+_NETWORK_FIELDS = ("env", "env_config", "hidden", "activation")  # what shapes the policy
+
+
+def check_resumable(ckpt: dict[str, Any], cfg: PPOConfig, path: Path) -> None:
+    """``ValueError`` naming the field and ``path`` when the checkpoint's policy was built
+    for another environment or network than ``cfg``'s (checked before anything starts)."""
+    saved = ckpt["config"]
+    for name in _NETWORK_FIELDS:
+        was, now = saved.get(name), getattr(cfg, name)
+        if isinstance(was, list):
+            was = tuple(was)
+        if name in saved and was != now:
+            raise ValueError(
+                f"{name}: the checkpoint {path} was trained with {name}={was!r}, not "
+                f"{now!r}; --resume continues a run with its own environment and network "
+                "(start a new run under another --name)"
+            )
 
 
 def build_policy(cfg: PPOConfig, observation_space: Any, action_space: Any) -> torch.nn.Module:
@@ -285,13 +326,13 @@ def train(
         )
 
     ckpt = load_checkpoint(ckpt_path) if resume else None
+    if ckpt is not None:
+        check_resumable(ckpt, cfg, ckpt_path)
 
     # 1. start-up: the learner is built on a helper thread while Ray and the runners start
-    pool = ThreadPoolExecutor(1, thread_name_prefix="ppo-learner-init")
-    learner_future: Future[Learner] = pool.submit(
-        _timed, times, "learner init", build_learner, cfg, ckpt
+    learner_future: Future[Learner] = harness.in_background(
+        "ppo-learner-init", _timed, times, "learner init", build_learner, cfg, ckpt
     )
-    pool.shutdown(wait=False)
     runners = None
     try:
         if cluster is None and cfg.num_env_runners > 0:
@@ -339,6 +380,8 @@ def train(
     from phalanx.observe.progress import Progress
 
     log = MetricsLogger(run_dir, use_wandb=cfg.wandb)
+    if ckpt is not None:  # rows of iterations after the checkpoint are redone now
+        log.drop_after(timesteps)
     log.log_config({**asdict(cfg), "resumed_from": timesteps if ckpt else None})
     bar = Progress(
         total=cfg.max_timesteps, start=timesteps, title=f"PPO {cfg.env}", enabled=progress

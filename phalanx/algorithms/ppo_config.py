@@ -118,6 +118,7 @@ class PPOConfig:
 
     def validate(self) -> None:
         """``ValueError``/``TypeError`` naming the first bad option (before anything starts)."""
+        harness.check_run_name(self.name)
         check_int(self.num_env_runners, "num_env_runners", minimum=0)
         check_int(self.num_standby_env_runners, "num_standby_env_runners", minimum=0)
         for name in ("num_envs_per_env_runner", "rollout_fragment_length", "max_timesteps",

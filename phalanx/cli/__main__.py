@@ -2,6 +2,10 @@
 
 import sys
 
-from phalanx.cli.main import main
+try:
+    from phalanx.cli.main import main
+except KeyboardInterrupt:  # Ctrl-C while phalanx and Ray are imported
+    print("phalanx: interrupted by SIGINT (nothing was started)", file=sys.stderr, flush=True)
+    sys.exit(130)
 
 sys.exit(main())

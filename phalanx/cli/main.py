@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+
+SIGINT_EXIT = 128 + signal.SIGINT  # 130, as a run interrupted by Ctrl-C
 
 _COMMANDS = {
     "demo": ("phalanx.cli.demo", "run a short demonstration of the runtime on the embedded Ray"),
@@ -71,6 +74,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``phalanx`` command line; returns the exit status.
+
+    A Ctrl-C before a command installs its own handling (while modules are imported and
+    flags parsed) exits 130 with one line, as one during a run does."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("phalanx: interrupted by SIGINT (nothing was started)", file=sys.stderr, flush=True)
+        return SIGINT_EXIT
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) >= 2 and argv[0] == "train" and argv[1] in _TRAIN:
         # ``phalanx train <algo> ...``: only that algorithm's module is imported

@@ -20,9 +20,11 @@ operation raises ``ChannelClosedError``.
 A channel actor that stops answering (stopped, overloaded) is not a closed channel: a
 ``get(timeout=t)`` raises ``TimeoutError`` after about ``t`` s (at most one second more,
 spent asking the actor to withdraw it) saying the actor did not answer; an item the actor
-hands out for it later goes back to the front of its key. Operations waiting when the
-actor stays silent for ``peer_timeout_s`` fail with ``PeerTimeoutError``; the handle keeps
-working once the actor answers again. Only a closed channel or a dead actor raises
+hands out for it later goes back to its place in its key. Operations waiting when the
+actor stays silent for ``peer_timeout_s`` fail with ``PeerTimeoutError`` (so do the gets:
+what the actor hands them later goes back too); the handle keeps working once the actor
+answers again. A ``put`` that returned reaches the queue, in order, also across such a
+silence; one that cannot be sent raises. Only a closed channel or a dead actor raises
 ``ChannelClosedError``.
 """
 
@@ -67,7 +69,7 @@ class _Getter:
     client: str
     req: int
     target: float | None = None
-    batch: list[tuple[Any, float]] = field(default_factory=list)
+    batch: list[tuple[Any, float, int]] = field(default_factory=list)
     acc: float = 0.0
 
 
@@ -79,7 +81,10 @@ class _ChannelServer:
         self.maxsize = maxsize
         self.closed = False
         self.lock = threading.Lock()
-        self.items: dict[Any, deque[tuple[Any, float]]] = defaultdict(deque)
+        # Per key: (item, weight, sequence number); the number puts an item handed out
+        # and given back (its get was given up on) back in its place.
+        self.items: dict[Any, deque[tuple[Any, float, int]]] = defaultdict(deque)
+        self.seq = itertools.count()
         self.getters: dict[Any, deque[_Getter]] = defaultdict(deque)
         self.putters: dict[Any, deque[tuple[str, int, Any, float]]] = defaultdict(deque)
         self.clients: set[str] = set()
@@ -124,8 +129,8 @@ class _ChannelServer:
                     kept = [g for g in d if g.client != client]
                     d.clear()
                     d.extend(kept)
-                    for g in reversed(mine):  # a partial batch goes back, in order
-                        self.items[key].extendleft(reversed(g.batch))
+                    for g in mine:  # a partial batch goes back, in order
+                        self._requeue(key, g.batch)
                 for d in self.putters.values():
                     kept = [e for e in d if e[0] != client]
                     d.clear()
@@ -146,17 +151,17 @@ class _ChannelServer:
         q = self.items[key]
         if op in ("put", "put_nowait"):
             if self.maxsize == 0 or (len(q) < self.maxsize and not self.putters[key]):
-                q.append((a, b))
+                q.append((a, b, next(self.seq)))
                 if req >= 0:
                     replies.append((client, req, True, None))
             elif op == "put_nowait":
                 full = ChannelFull(f"channel {self.name!r} key {key!r} is full")
                 replies.append((client, req, False, full))
             else:
-                self.putters[key].append((client, req, a, b))
+                self.putters[key].append((client, req, a, b, next(self.seq)))
             self._serve(key, replies)
-        elif op == "requeue":  # items a client got too late, back to the front in order
-            q.extendleft(reversed(a))
+        elif op == "requeue":  # items a client got too late, back in their places
+            self._requeue(key, a)
             self._serve(key, replies)
         elif op in ("get", "get_batch"):
             self.getters[key].append(_Getter(client, req, b if op == "get_batch" else None))
@@ -176,7 +181,7 @@ class _ChannelServer:
         elif op == "full":
             replies.append((client, req, True, self.maxsize > 0 and len(q) >= self.maxsize))
         elif op == "peek_all":
-            queued = {k: [item for item, _ in v] for k, v in self.items.items() if v}
+            queued = {k: [e[0] for e in v] for k, v in self.items.items() if v}
             replies.append((client, req, True, queued))
         else:
             replies.append((client, req, False, ValueError(f"unknown channel operation {op!r}")))
@@ -188,20 +193,27 @@ class _ChannelServer:
             except CommError:
                 pass  # that client is gone; its requests die with it
 
+    def _requeue(self, key: Any, entries: list[tuple[Any, float, int]]) -> None:
+        """Put entries handed out back into ``key``'s queue, each in its place by number."""
+        q = self.items[key]
+        merged = sorted([*entries, *q], key=lambda e: e[2])
+        q.clear()
+        q.extend(merged)
+
     def _cancel(self, client: str, key: Any, req: int) -> bool:
         d = self.getters[key]
         for g in d:
             if g.client == client and g.req == req:
                 d.remove(g)
-                self.items[key].extendleft(reversed(g.batch))
+                self._requeue(key, g.batch)
                 return True
         return False
 
     def _refill(self, key: Any, replies: list) -> None:
         q, putters = self.items[key], self.putters[key]
         while putters and (self.maxsize == 0 or len(q) < self.maxsize):
-            client, req, item, weight = putters.popleft()
-            q.append((item, weight))
+            client, req, item, weight, seq = putters.popleft()
+            q.append((item, weight, seq))
             replies.append((client, req, True, None))
 
     def _serve(self, key: Any, replies: list) -> None:
@@ -220,12 +232,11 @@ class _ChannelServer:
                 continue
             done = False
             while q and not done:
-                item, w = q[0]
+                w = q[0][1]
                 if g.acc + w > g.target:
                     done = True
                     break
-                q.popleft()
-                g.batch.append((item, w))
+                g.batch.append(q.popleft())
                 g.acc += w
                 done = g.acc >= g.target
                 self._refill(key, replies)
@@ -238,9 +249,9 @@ class _ChannelServer:
 class _Client:
     """This process's connection to one channel: request ids and reply futures.
 
-    Replies to gets carry ``(item, weight)`` pairs; a get given up on (its caller timed
-    out and the actor did not withdraw it) is ``abandoned``: what the actor hands out for
-    it later is put back at the front of its key.
+    Replies to gets carry ``(item, weight, sequence number)`` entries; a get given up on (its caller timed
+    out and the actor did not withdraw it, or the connection failed while it waited) is
+    ``abandoned``: what the actor hands out for it later is put back at the front of its key.
     """
 
     _clients: dict[str, _Client] = {}
@@ -253,6 +264,7 @@ class _Client:
         self.ids = itertools.count()
         self.pending: dict[int, concurrent.futures.Future] = {}
         self.abandoned: dict[int, Any] = {}  # request id -> key
+        self.get_keys: dict[int, Any] = {}  # request id -> key of the gets awaiting a reply
         self.plock = threading.Lock()
         self.closed: CommError | None = None
         self.ep.set_handler(server, self._on_reply)
@@ -271,6 +283,10 @@ class _Client:
             err = msg if isinstance(msg, CommError) else PeerDiedError(peer, str(msg))
             with self.plock:
                 futs, self.pending = list(self.pending.values()), {}
+                # The actor may still hold these gets (it was only silent): what it hands
+                # out for them once it answers again goes back to the queue.
+                self.abandoned.update(self.get_keys)
+                self.get_keys = {}
             for f in futs:
                 if not f.done():
                     f.set_exception(err)
@@ -281,6 +297,7 @@ class _Client:
             return
         with self.plock:
             fut = self.pending.pop(req, None)
+            self.get_keys.pop(req, None)
             key = self.abandoned.pop(req, None)
         if key is not None and ok and value:
             self._send("requeue", -1, key, value if isinstance(value, list) else [value])
@@ -319,12 +336,15 @@ class _Client:
         if reply:
             with self.plock:
                 self.pending[req] = fut
+                if op in ("get", "get_batch"):
+                    self.get_keys[req] = key
         if sync or not reply:
             try:
                 self._send(op, req, key, a, b, sync=True)
             except BaseException as e:
                 with self.plock:
                     self.pending.pop(req, None)
+                    self.get_keys.pop(req, None)
                 if isinstance(e, PeerDiedError):
                     raise self._dead(e) from None
                 raise
@@ -345,8 +365,9 @@ class _Client:
         err = f.exception()
         if err is None:
             return
-        with self.plock:
+        with self.plock:  # the request did not reach the actor
             fut = self.pending.pop(req, None)
+            self.get_keys.pop(req, None)
         if fut is not None and not fut.done():
             fut.set_exception(self._dead(err) if isinstance(err, PeerDiedError) else err)
 
@@ -362,6 +383,7 @@ class _Client:
         except (TimeoutError, CommError):
             with self.plock:
                 abandoned = self.pending.pop(req, None) is not None
+                self.get_keys.pop(req, None)
                 if abandoned:
                     self.abandoned[req] = key
             if not abandoned:  # its reply came in the meantime
@@ -375,16 +397,17 @@ class _Client:
         if withdrawn:
             with self.plock:
                 self.pending.pop(req, None)
+                self.get_keys.pop(req, None)
             raise TimeoutError(f"get from channel {self.name!r} got no item within {timeout}s")
         return work.wait(60)  # not parked any more: its reply came before the cancel's
 
 
-def _item(pair: tuple[Any, float]) -> Any:
-    return pair[0]
+def _item(entry: tuple[Any, float, int]) -> Any:
+    return entry[0]
 
 
-def _items(pairs: list[tuple[Any, float]]) -> list[Any]:
-    return [item for item, _ in pairs]
+def _items(entries: list[tuple[Any, float, int]]) -> list[Any]:
+    return [e[0] for e in entries]
 
 
 class Channel:

@@ -104,7 +104,7 @@ class Endpoint(Receiving, Sending, Liveness):
         self.default_handler: Callable[[str, Any], None] | None = None
         announce(self.info)
         threading.Thread(target=self.accept_loop, name="px-accept", daemon=True).start()
-        threading.Thread(target=self.monitor_loop, name="px-monitor", daemon=True).start()
+        self.start_monitor()
 
     def send(self, peer: str, msg: Outgoing, async_op: bool = False) -> Work:
         fut = self.out_conn(peer).submit(msg, async_op)

@@ -62,6 +62,7 @@ class Inbox:
         self.handler: Callable[[str, Any], None] | None = None
         self.error: CommError | None = None
         self.sock: socket.socket | None = None
+        self.reader_done: threading.Event | None = None  # set when the reader of ``sock`` ends
         self.info: PeerInfo | None = None
         self.pgs: dict[str, Any] = {}
         self.segments = shm.SegmentReader()
@@ -197,13 +198,29 @@ class Inbox:
         if self.handler is not None:
             self._call_handler(err)
 
-    def attach(self, sock: socket.socket, info: PeerInfo) -> None:
+    def attach(
+        self, sock: socket.socket, info: PeerInfo, done: threading.Event
+    ) -> threading.Event | None:
+        """Make ``sock`` the peer's connection (``done`` is set when its reader ends).
+
+        A newer connection of the same process follows one its sender closed (after a
+        failure or a silence): the older one is still read to its end, so what the sender
+        wrote into it is delivered, in order. Returns the event of that older reader, which
+        the new one waits for. A connection of another incarnation (a restarted peer)
+        replaces the old one at once: the dead process's messages are dropped.
+        """
         with self.cv:
-            old = self.sock
-            if self.info is not None and self.info.incarnation != info.incarnation:
+            old, old_done = self.sock, self.reader_done
+            same = self.info is not None and self.info.incarnation == info.incarnation
+            if self.info is not None and not same:
                 self.pgs = {}
                 self.segments.clear()
             self.sock, self.info, self.error = sock, info, None
+            self.reader_done = done
             self.cv.notify_all()
-        if old is not None and old is not sock:
-            close_socket(old)
+        if old is None or old is sock:
+            return None
+        if same and old_done is not None and not old_done.is_set():
+            return old_done
+        close_socket(old)
+        return None

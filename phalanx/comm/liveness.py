@@ -10,8 +10,9 @@ it. A receive binds to the incarnation alive when it is posted, so a sender kill
 restarted while a ``recv`` waits is reported, and later receives wait on the new one.
 
 Ray object refs (pings) are freed only by this thread and only while Ray runs: freeing one
-while ``ray.shutdown()`` tears the core worker down ends the process, so the monitor stops
-touching Ray (and keeps what it holds) once Ray is shut down.
+while ``ray.shutdown()`` tears the core worker down ends the process, so the monitor makes
+its Ray calls through ``ray_gate`` (``ray.shutdown`` waits until it is out of them) and
+stops touching Ray (keeping what it holds) once Ray is shutting down.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import ray
 
+from phalanx._base import ray_gate
 from phalanx.comm.config import CONFIG
 from phalanx.comm.errors import CommError, PeerDiedError, PeerNotFoundError
 from phalanx.comm.frames import close_socket
@@ -59,6 +61,8 @@ class Liveness:
         self.actors: dict[str, Any] = {}
         self.retired_refs: list[Any] = []
         self.retired_lock = threading.Lock()
+        self.monitor_wake = threading.Event()  # set to end the monitor's wait early
+        self.monitor_thread: threading.Thread | None = None
 
     def retire(self, obj: Any) -> None:
         """Hand a Ray object ref (or a tuple holding one) to the monitor to free."""
@@ -150,28 +154,49 @@ class Liveness:
         """Probe peers that pending operations wait on; fail those that died or restarted."""
         inflight: dict[str, _Ping] = {}
         while not self.closed:
-            time.sleep(CONFIG.peer_check_interval_s)
-            if not ray.is_initialized():
-                with self.retired_lock:
-                    _KEPT_AFTER_SHUTDOWN.extend([inflight, self.retired_refs])
-                    self.retired_refs = []
-                return
-            with self.retired_lock:
-                self.retired_refs.clear()
-            with self.lock:
-                waiting = {p for p, b in self.inboxes.items() if b.pending()}
-                waiting |= {p for p, c in self.out_conns.items() if c.pending()}
-            now = time.monotonic()
-            for peer in waiting:
-                if not is_pingable(peer, self.name):
-                    continue
-                try:
-                    self._probe_step(peer, inflight, now)
-                except Exception:  # noqa: BLE001 - Ray shutting down, keep going
-                    logger.debug("liveness probe of %s failed", peer, exc_info=True)
-            for peer in list(inflight):
-                if peer not in waiting:
-                    del inflight[peer]
+            self.monitor_wake.wait(CONFIG.peer_check_interval_s)
+            with ray_gate.ray_calls() as ray_up:
+                if not ray_up:
+                    with self.retired_lock:
+                        _KEPT_AFTER_SHUTDOWN.extend([inflight, self.retired_refs])
+                        self.retired_refs = []
+                    return
+                self._monitor_round(inflight)
+
+    def start_monitor(self) -> None:
+        """Start the monitor thread; ``ray.shutdown()`` ends it first (``ray_gate``)."""
+        ray_gate.install()
+        ray_gate.on_shutdown(self.stop_monitor)
+        self.monitor_thread = threading.Thread(
+            target=self.monitor_loop, name="px-monitor", daemon=True
+        )
+        self.monitor_thread.start()
+
+    def stop_monitor(self) -> None:
+        """Wake the monitor so it sees Ray shutting down, and wait until it ended."""
+        self.monitor_wake.set()
+        thread = self.monitor_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(ray_gate.DRAIN_TIMEOUT_S)
+
+    def _monitor_round(self, inflight: dict[str, _Ping]) -> None:
+        """Free retired refs, probe the peers waited on (Ray is up: see ``ray_gate``)."""
+        with self.retired_lock:
+            self.retired_refs.clear()
+        with self.lock:
+            waiting = {p for p, b in self.inboxes.items() if b.pending()}
+            waiting |= {p for p, c in self.out_conns.items() if c.pending()}
+        now = time.monotonic()
+        for peer in waiting:
+            if not is_pingable(peer, self.name):
+                continue
+            try:
+                self._probe_step(peer, inflight, now)
+            except Exception:  # noqa: BLE001 - Ray shutting down, keep going
+                logger.debug("liveness probe of %s failed", peer, exc_info=True)
+        for peer in list(inflight):
+            if peer not in waiting:
+                del inflight[peer]
 
     def _probe_step(self, peer: str, inflight: dict[str, _Ping], now: float) -> None:
         """One monitor round for ``peer``: resolve the receive-time probe, compare incarnations."""

@@ -146,8 +146,12 @@ class Receiving:
         if info is None:
             return
         box = self.inbox(info.name)
-        box.attach(sock, info)
+        done = threading.Event()
+        older = box.attach(sock, info, done)
         try:
+            while older is not None and not older.wait(1.0):  # keep the sender's order
+                if self.closed:
+                    return
             while not self.closed:
                 self._read_message(box, sock, info)
         except Exception as e:  # noqa: BLE001 - any reader failure breaks this connection
@@ -162,6 +166,8 @@ class Receiving:
                 self.actors.pop(info.name, None)
                 box.fail(err)
             close_socket(sock)
+        finally:
+            done.set()
 
     def _read_message(self, box: Inbox, sock: socket.socket, info: PeerInfo) -> None:
         prefix = bytearray(PREFIX.size)

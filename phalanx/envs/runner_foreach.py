@@ -22,7 +22,7 @@ from phalanx._base.checks import check_timeout
 from phalanx._base.errors import WorkerError
 from phalanx.envs.config import EnvContext, EnvRunnerGroupConfig
 from phalanx.envs.env_runner import EnvRunner
-from phalanx.group.dispatch import DispatchError
+from phalanx.group.dispatch import DispatchError, funcs_mismatch
 from phalanx.group.group import WorkerGroup
 from phalanx.group.results import RemoteCallResults
 
@@ -49,9 +49,7 @@ class RunnerForeach:
         ranks = list(self._active) if remote_worker_ids is None else self._ranks(remote_worker_ids)
         funcs = func if isinstance(func, list) else [func]
         if isinstance(func, list) and len(func) != len(ranks):
-            raise ValueError(
-                f"func: a list of {len(func)} functions for {len(ranks)} remote env runners"
-            )
+            raise funcs_mismatch(len(func), len(ranks), "remote env runners")
         methods = self._group.methods if self._group is not None else {}
         for f in funcs:
             if isinstance(f, str):

@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 ResultHook = Callable[[list[int], list[Any]], None]
 _LABELS_KEPT = 4096
+PROBE_INTERVAL_S = 1.0  # how often a wait probes the ranks still running (silence bound)
 
 
 class Collector:
@@ -128,14 +129,26 @@ class Collector:
 
     # -- whole-call waits (GroupHandle.wait, MultiWorkerFuture.get_results) ----------------
     def wait_all(
-        self, method: str, ranks: list[int], refs: list[Any], timeout: float | None
+        self,
+        method: str,
+        ranks: list[int],
+        refs: list[Any],
+        timeout: float | None,
+        silence_s: float | None = None,
     ) -> tuple[list[Any], list[int]]:
-        """Every called rank's result in order, and the ranks left out (dead, ignored)."""
+        """Every called rank's result in order, and the ranks left out (dead, ignored).
+
+        With ``silence_s``, a pending rank whose process leaves its health probe
+        unanswered that long fails the wait (``HangTimeoutError`` naming it).
+        """
         timeout = check_timeout(timeout)
         if not all(isinstance(r, ray.ObjectRef) for r in refs):
             return self._wait_streams(method, ranks, refs, timeout), []
         try:
-            values = ray.get(refs, timeout=timeout)
+            if silence_s is not None and self._members is not None:
+                values = self._get_probing(method, ranks, refs, timeout, silence_s)
+            else:
+                values = ray.get(refs, timeout=timeout)
         except GetTimeoutError:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
             done = set(ready)
@@ -145,6 +158,43 @@ class Collector:
             return self._wait_failed(method, ranks, refs, timeout)
         self._seen(method, ranks, values)
         return values, []
+
+    def _get_probing(
+        self, method: str, ranks: list[int], refs: list[Any], timeout: float | None,
+        silence_s: float,
+    ) -> list[Any]:  # fmt: skip
+        """``ray.get(refs, timeout)``, probing the pending ranks every second meanwhile;
+        raises the hang error naming the ranks silent for ``silence_s``."""
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        actors = self._members.actors
+        heard = dict.fromkeys(ranks, start)  # when each rank last answered a probe
+        probes: dict[int, Any] = {}
+        while True:
+            now = time.monotonic()
+            step = PROBE_INTERVAL_S if deadline is None else min(PROBE_INTERVAL_S, deadline - now)
+            try:
+                return ray.get(refs, timeout=max(step, 0.0))
+            except GetTimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+            done = set(ready)
+            pending = [rk for rk, r in zip(ranks, refs) if r not in done]
+            now = time.monotonic()
+            for rank in pending:
+                probe = probes.get(rank)
+                if probe is not None and ray.wait([probe], timeout=0, fetch_local=False)[0]:
+                    heard[rank] = now
+                    probe = None
+                if probe is None:
+                    probes[rank] = actors[rank]._px_ping.remote()
+            silent = [rk for rk in pending if now - heard[rk] >= silence_s]
+            if silent:
+                raise self.timeout_error(
+                    method, ranks, refs, pending, round(now - start, 1), silent=silent,
+                    silence_s=silence_s,
+                )  # fmt: skip
 
     def _wait_failed(
         self, method: str, ranks: list[int], refs: list[Any], timeout: float | None
@@ -289,6 +339,8 @@ class Collector:
         pending: list[int],
         timeout: float,
         finished: dict[int, Any] | None = None,
+        silent: list[int] | None = None,
+        silence_s: float = 0.0,
     ) -> GroupTimeoutError:
         """The error of a call not finished within ``timeout``: with a hang report of the
         ``pending`` ranks' stacks, except for a poll (``timeout=0``) or a plain collector."""
@@ -303,7 +355,9 @@ class Collector:
                     finished[rank] = ray.get(ref, timeout=0)
                 except Exception as e:  # noqa: BLE001 - that rank's error is its result
                     finished[rank] = unwrap_error(self.name, method, rank, e)
-        return hang.timeout_error(self._members, method, pending, timeout, finished)
+        return hang.timeout_error(
+            self._members, method, pending, timeout, finished, silent=silent, silence_s=silence_s
+        )
 
 
 __all__ = ["Collector"]

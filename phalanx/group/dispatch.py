@@ -10,6 +10,7 @@ its one dispatch. Nothing here touches Ray, so each style is tested without a cl
 from __future__ import annotations
 
 import itertools
+import pickle
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -40,6 +41,17 @@ class DispatchError(ValueError, AssertionError):
     NeMo-RL and RLlib assert these (``AssertionError``); phalanx's rule is ``ValueError``:
     this error is both, so code written for either catches it.
     """
+
+
+RLLIB_FUNCS_MISMATCH = "Funcs must have the same number of callables as actor indices."
+
+
+def funcs_mismatch(funcs: int, ranks: int, workers: str = "workers") -> DispatchError:
+    """A list of ``funcs`` functions for ``ranks`` workers: RLlib's message (which code
+    written for RLlib matches), then phalanx's counts."""
+    return DispatchError(
+        f"{RLLIB_FUNCS_MISMATCH} (func: a list of {funcs} functions for {ranks} {workers})"
+    )
 
 
 def _bad_ranks(ranks: list[Any], world_size: int) -> tuple[list[Any], list[Any]]:
@@ -257,7 +269,7 @@ def foreach_select(
         ranks = check_ranks(remote_worker_ids, world_size, "remote_worker_ids")
     funcs = func if isinstance(func, list) else None
     if funcs is not None and len(funcs) != len(ranks):
-        raise DispatchError(f"func: a list of {len(funcs)} functions for {len(ranks)} workers")
+        raise funcs_mismatch(len(funcs), len(ranks))
     bad = set(not_healthy) if healthy_only else set()
     if bad:
         keep = [i for i, r in enumerate(ranks) if r not in bad]
@@ -291,7 +303,7 @@ def foreach(
     kwargs = dict(kwargs or {})
     funcs = func if isinstance(func, list) else None
     if funcs is not None and len(funcs) != len(ranks):
-        raise DispatchError(f"func: a list of {len(funcs)} functions for {len(ranks)} workers")
+        raise funcs_mismatch(len(funcs), len(ranks))
     for f in funcs or [func]:
         if not (callable(f) or isinstance(f, str)):
             raise TypeError(f"func must be a callable or a method name, got {type(f).__name__}")
@@ -383,6 +395,29 @@ def approx_nbytes(value: Any, budget: int = INLINE_LIMIT) -> int:
             seen.add(id(item))
             stack.append(iter(items))
     return total
+
+
+def unpicklable_argument(
+    group: str, method: str, rank: int, args: tuple, kwargs: dict, error: BaseException
+) -> pickle.PicklingError:
+    """The error for a call whose arguments Ray could not serialise, naming the argument
+    (found by serialising each on its own; called only once serialising failed)."""
+    from ray import cloudpickle
+
+    where = "an argument"
+    named = [(f"argument {i}", v) for i, v in enumerate(args)]
+    named += [(f"argument {k!r}", v) for k, v in kwargs.items()]
+    for label, value in named:
+        try:
+            cloudpickle.dumps(value)
+        except Exception:  # noqa: BLE001 - the one that fails is the one to name
+            where = label
+            break
+    why = (str(error).strip().splitlines() or [""])[0]
+    return pickle.PicklingError(
+        f"{group}.{method}() rank {rank}: {where} cannot be serialised "
+        f"({type(error).__name__}: {why})"
+    )
 
 
 def shared_values(calls: list[Call], is_ref: Callable[[Any], bool]) -> dict[int, Any]:

@@ -21,6 +21,11 @@ from phalanx.group.collect import Collector
 from phalanx.observe import trace as _trace
 
 DEFAULT_CALL_TIMEOUT_S = 600.0
+# A rank whose process stops answering its health probe (which runs beside the call, in
+# the control concurrency group) for this long fails a wait without explicit timeout: a
+# stopped or wedged worker is reported within about a minute, while a call that is merely
+# long (a training step of minutes) keeps running up to ``call_timeout_s``.
+DEFAULT_CALL_SILENCE_S = 60.0
 
 
 class _GroupBound:
@@ -50,10 +55,33 @@ def default_call_timeout() -> float | None:
     return value
 
 
+def call_silence_bound() -> float | None:
+    """How long a wait without an explicit timeout lets a called rank leave its health
+    probe unanswered before it fails naming that rank: ``$PHALANX_CALL_SILENCE_S``
+    (seconds > 0, or ``none``), else ``DEFAULT_CALL_SILENCE_S``. Read at each wait."""
+    raw = os.environ.get("PHALANX_CALL_SILENCE_S", "").strip()
+    if not raw:
+        return DEFAULT_CALL_SILENCE_S
+    if raw.lower() == "none":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"PHALANX_CALL_SILENCE_S must be seconds > 0 or 'none', got {raw!r}")
+    return value
+
+
 def _bound(timeout: Any, group: Any) -> float | None:
     if timeout is GROUP_BOUND:
         return getattr(group, "call_timeout_s", None)
     return check_timeout(timeout)
+
+
+def _silence(timeout: Any) -> float | None:
+    """The health-probe bound of a wait: only when no timeout was given."""
+    return call_silence_bound() if timeout is GROUP_BOUND else None
 
 
 class GroupHandle:
@@ -77,8 +105,9 @@ class GroupHandle:
         """Block until every called rank returned (or ``timeout`` seconds passed).
 
         With no ``timeout`` the group's ``call_timeout_s`` bounds the wait (600 s unless
-        set; a stopped worker cannot hang the caller forever); ``None`` waits without a
-        bound. A timeout raises ``HangTimeoutError`` naming the ranks that did not answer,
+        set), and a called rank that leaves its health probe unanswered for
+        ``PHALANX_CALL_SILENCE_S`` (60 s) fails it: a stopped worker cannot hang the caller;
+        ``None`` waits without a bound. A timeout raises ``HangTimeoutError`` naming the ranks that did not answer,
         with their stacks where they could be taken. ``timeout=0`` polls: the results if every rank finished, else a
         ``GroupTimeoutError`` naming the ranks still running (no hang report is written).
         A negative timeout is a ``ValueError``.
@@ -89,8 +118,11 @@ class GroupHandle:
         return self._wait(timeout)
 
     def _wait(self, timeout: Any) -> list[Any]:
+        silence = _silence(timeout)
         timeout = _bound(timeout, self.group)
-        values, dropped = self.group.collector.wait_all(self.method, self.ranks, self.refs, timeout)
+        values, dropped = self.group.collector.wait_all(
+            self.method, self.ranks, self.refs, timeout, silence_s=silence
+        )
         if dropped:
             self.skipped = sorted({*self.skipped, *dropped})
         return values
@@ -174,10 +206,12 @@ class MultiWorkerFuture:
         if not isinstance(collector, Collector):
             collector = Collector(None, None, name=getattr(worker_group, "name", "group"))
         method = self.method or collector.label_of(self.futures)
-        results, _ = collector.wait_all(method, ranks, refs, _bound(timeout, worker_group))
+        results, _ = collector.wait_all(
+            method, ranks, refs, _bound(timeout, worker_group), silence_s=_silence(timeout)
+        )
         if any(isinstance(r, ray.ObjectRefGenerator) for r in refs):
             return [item for items in results for item in items]
         return results
 
 
-__all__ = ["GroupHandle", "MultiWorkerFuture", "default_call_timeout"]
+__all__ = ["GroupHandle", "MultiWorkerFuture", "call_silence_bound", "default_call_timeout"]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import time
 import weakref
 from collections.abc import Callable
@@ -353,7 +354,11 @@ class WorkerGroup(NemoFace, RllibFace):
                 keep = set(ready)
                 calls = [c for c in calls if c[0] in keep]
         stream = fn is None and self._roster.methods[method] in ("gen", "asyncgen")
-        shared = self._share(calls) if len(calls) > 1 else None
+        try:
+            shared = self._share(calls) if len(calls) > 1 else None
+        except (pickle.PicklingError, RecursionError) as e:  # a value passed to every rank
+            rank, args, kwargs = calls[0]
+            raise dispatch.unpicklable_argument(self.name, method, rank, args, kwargs, e) from None
         refs = []
         actors = self._roster.actors
         for rank, args, kwargs in calls:
@@ -361,14 +366,19 @@ class WorkerGroup(NemoFace, RllibFace):
                 args = tuple(shared.get(id(a), a) for a in args)
                 kwargs = {k: shared.get(id(v), v) for k, v in kwargs.items()}
             actor = actors[rank]
-            if fn is not None:
-                refs.append(actor._px_apply.remote(fn, *args, **kwargs))
-            elif stream:
-                # Each public method has its own actor method (see host_class_for).
-                remote = getattr(actor, method).options(num_returns="streaming")
-                refs.append(remote.remote(*args, **kwargs))
-            else:
-                refs.append(getattr(actor, method).remote(*args, **kwargs))
+            try:
+                if fn is not None:
+                    refs.append(actor._px_apply.remote(fn, *args, **kwargs))
+                elif stream:
+                    # Each public method has its own actor method (see host_class_for).
+                    remote = getattr(actor, method).options(num_returns="streaming")
+                    refs.append(remote.remote(*args, **kwargs))
+                else:
+                    refs.append(getattr(actor, method).remote(*args, **kwargs))
+            except (pickle.PicklingError, RecursionError) as e:
+                raise dispatch.unpicklable_argument(
+                    self.name, method, rank, args, kwargs, e
+                ) from None
         handle = GroupHandle(self, method, [c[0] for c in calls], refs)
         if skipped:
             handle.skipped = skipped
@@ -409,6 +419,7 @@ class WorkerGroup(NemoFace, RllibFace):
 
     def execute_on(self, *ranks: int) -> _RankView:
         """The group restricted to ``ranks`` for the next call: ``g.execute_on(0, 3).hello()``."""
+        self._check_live()
         return _RankView(self, dispatch.execute_on(ranks, self.world_size, self.name))
 
     def call(
@@ -512,6 +523,7 @@ class WorkerGroup(NemoFace, RllibFace):
         return len(self._roster.actors)
 
     def _check_ranks(self, ranks: Any, arg: str) -> list[int]:
+        self._check_live()
         return dispatch.check_ranks(ranks, self.world_size, arg)
 
     # ------------------------------------------------------------------ health

@@ -139,14 +139,23 @@ class HangTimeoutError(GroupTimeoutError):
         report_path: str = "",
         results: dict[int, Any] | None = None,
         where: dict[int, str] | None = None,
+        silent: list[int] | None = None,
+        silence_s: float = 0.0,
     ):
         self.report_path = report_path
         self.results = dict(results or {})
         self.where = dict(where or {})
+        self.silent_ranks = list(silent or [])
+        self.silence_s = silence_s
         super().__init__(group, method, pending_ranks, timeout, report)
         stuck = ", ".join(f"rank {r} in {w}" for r, w in self.where.items() if w)
-        text = (
-            f"{group}.{method}() did not finish within {timeout}s on ranks {self.pending_ranks}"
+        text = f"{group}.{method}() did not finish within {timeout}s on ranks {self.pending_ranks}"
+        if self.silent_ranks:
+            text += (
+                f": ranks {self.silent_ranks} did not answer a health probe for {silence_s:g}s "
+                "(a stopped or wedged process; PHALANX_CALL_SILENCE_S)"
+            )
+        text += (
             f"{'; stuck: ' + stuck if stuck else ''}; hang report with their stacks: "
             f"{report_path or '(not written)'}"
         )
@@ -167,6 +176,8 @@ class HangTimeoutError(GroupTimeoutError):
                 self.report_path,
                 {},
                 self.where,
+                self.silent_ranks,
+                self.silence_s,
             ),
         )
 
@@ -193,8 +204,55 @@ def collect_stacks(
         try:
             out[r] = ray.get(ref, timeout=0.5)
         except Exception as e:  # noqa: BLE001 - fall back to py-spy below
-            out[r] = _py_spy(group, r) or f"(stacks unavailable: {type(e).__name__})"
+            out[r] = _py_spy(group, r) or f"(stacks unavailable: {_why_no_stacks(group, r, e)})"
     return out
+
+
+def _local_pid(group: Members, rank: int) -> int | None:
+    """The pid of ``rank``'s process when it runs on this node (else None)."""
+    metas = group.worker_metadata
+    meta = metas[rank] if rank < len(metas) else {}
+    pid = meta.get("pid")
+    try:
+        here = ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001
+        here = None
+    return pid if pid and meta.get("ray_node_id") in (None, here) else None
+
+
+def _proc_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` (``/proc/<pid>/stat``), None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _why_no_stacks(group: Members, rank: int, error: BaseException) -> str:
+    """Why ``rank`` gave no stacks, as exactly as this node can tell."""
+    if not isinstance(error, ray.exceptions.GetTimeoutError):
+        return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
+    silent = f"its process did not answer within {STACKS_TIMEOUT_S:g}s"
+    pid = _local_pid(group, rank)
+    if pid is None:
+        return f"{silent} (it runs on another node: its state cannot be read from here)"
+    state = _proc_state(pid)
+    if state is None:
+        return f"{silent}; process {pid} is gone"
+    if state in ("T", "t"):
+        return (
+            f"process {pid} is stopped (state {state}: SIGSTOP or a debugger); a stopped "
+            "process runs no code, so it cannot report its stacks"
+        )
+    if state == "Z":
+        return f"process {pid} has exited (zombie)"
+    if state == "D":
+        return f"{silent}; process {pid} waits in the kernel (state D: disk or network I/O)"
+    return (
+        f"{silent}; process {pid} is running (state {state}): a thread holds the GIL in "
+        "native code, or the process is overloaded"
+    )
 
 
 def _py_spy(group: Members, rank: int) -> str:
@@ -208,15 +266,15 @@ def _py_spy(group: Members, rank: int) -> str:
         here = ray.get_runtime_context().get_node_id()
     except Exception:  # noqa: BLE001
         here = None
-    if meta.get("ray_node_id") not in (None, here):
-        return ""
+    if meta.get("ray_node_id") not in (None, here) or _proc_state(pid) in ("T", "t"):
+        return ""  # another node's process, or a stopped one (py-spy cannot read it)
     try:
         proc = subprocess.run(
             [exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=15
         )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"(py-spy failed: {e})"
-    return "(py-spy)\n" + (proc.stdout or proc.stderr)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return "(py-spy)\n" + proc.stdout if proc.returncode == 0 and proc.stdout else ""
 
 
 def build_report(group: Members, method: str, pending: list[int], elapsed_s: float) -> HangReport:
@@ -240,8 +298,13 @@ def timeout_error(
     pending: list[int],
     timeout: float,
     results: dict[int, Any] | None = None,
+    *,
+    silent: list[int] | None = None,
+    silence_s: float = 0.0,
 ) -> HangTimeoutError:
-    """The error raised when a call given ``timeout`` did not finish on ``pending``."""
+    """The error raised when a call given ``timeout`` did not finish on ``pending``
+    (``silent``: the ranks among them that left their health probe unanswered for
+    ``silence_s``, which ended the wait)."""
     report = build_report(group, method, pending, timeout)
     return HangTimeoutError(
         group.name,
@@ -252,6 +315,8 @@ def timeout_error(
         report.path,
         results,
         {r: report.innermost(r) for r in pending},
+        silent,
+        silence_s,
     )
 
 

@@ -200,6 +200,36 @@ class MetricsLogger:
             self._wandb.log(numeric, step=step)
         return row
 
+    def drop_after(self, step: int) -> int:
+        """Remove the ``metrics.jsonl`` rows past ``step`` (a resumed run redoes those
+        steps and logs them again); returns how many were removed. A torn last line from
+        a crash goes too."""
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise TypeError(f"step must be an int, got {type(step).__name__}")
+        self._file.close()
+        kept, dropped = [], 0
+        with open(self.path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    dropped += bool(line.strip())
+                    continue
+                if (
+                    isinstance(row, dict)
+                    and isinstance(row.get("step"), int)
+                    and row["step"] > step
+                ):
+                    dropped += 1
+                else:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+        if dropped:
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept), encoding="utf-8")
+            os.replace(tmp, self.path)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        return dropped
+
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Write the run's configuration to ``run_dir/config.json`` (replacing it)."""
         if not isinstance(config, Mapping):

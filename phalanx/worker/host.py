@@ -175,7 +175,10 @@ class WorkerHost:
                     except StopAsyncIteration:
                         return
             else:
-                yield from fn(*args, **kwargs)
+                # Not ``yield from``: Ray resumes the stream with ``send``, which ``yield
+                # from`` hands to the method's own ``yield from`` of a plain iterator.
+                for item in fn(*args, **kwargs):  # noqa: UP028
+                    yield item
         except SystemExit:
             self._exiting.set()
             raise
@@ -203,6 +206,14 @@ class WorkerHost:
             out = run()
             if inspect.iscoroutine(out):
                 out = self._run_coro(out)
+            if inspect.isgenerator(out) or inspect.isasyncgen(out):
+                if inspect.isgenerator(out):
+                    out.close()
+                raise TypeError(
+                    f"{name}() returned a generator, which a call does not send back: make "
+                    f"{name} a generator function (one that yields: its items are streamed "
+                    "to the caller) or return a list"
+                )
             return out
         except SystemExit:
             self._exiting.set()

@@ -56,7 +56,10 @@ def test_rllib_function_list_of_wrong_length_asserts(pair):
     with pytest.raises(AssertionError) as info:
         pair.foreach_actor_async([f])
     assert isinstance(info.value, ValueError)
-    assert str(info.value) == "func: a list of 1 functions for 2 workers"
+    assert str(info.value) == (
+        "Funcs must have the same number of callables as actor indices. "
+        "(func: a list of 1 functions for 2 workers)"
+    )
     with pytest.raises(AssertionError, match="a list of 3 functions for 2 workers"):
         pair.foreach_worker([f, f, f])
     assert pair.num_in_flight_async_reqs() == 0

@@ -1,0 +1,85 @@
+"""Ctrl-C during ``phalanx train ppo``'s start-up: exit 130 with one line, never a raw
+traceback, never a process that waits at exit for start-up work that cannot finish.
+
+The SIGINT is a real one, sent by the process to itself at a chosen point of its imports
+(an import finder placed first on ``sys.meta_path``), so the test does not depend on
+timing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# argv[1]: the module whose import sends the SIGINT; argv[2]: "main" (only on the main
+# thread) or a thread-name prefix: then that thread stays inside the import for good, as
+# a thread left in an import that an interrupt broke does.
+LAUNCHER = textwrap.dedent(
+    """
+    import importlib.util, os, runpy, signal, sys, threading
+
+    module, where = sys.argv[1], sys.argv[2]
+
+    class SigintOnImport:
+        fired = False
+
+        def find_spec(self, name, path=None, target=None):
+            me = threading.current_thread()
+            here = me is threading.main_thread() if where == "main" else me.name.startswith(where)
+            if name != module or not here or SigintOnImport.fired:
+                return None
+            SigintOnImport.fired = True
+            os.kill(os.getpid(), signal.SIGINT)
+            return None if where == "main" else importlib.util.spec_from_loader(name, self)
+
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, mod):  # holds this module's import lock, never returns
+            threading.Event().wait()
+
+    sys.meta_path.insert(0, SigintOnImport())
+    sys.argv = ["phalanx", *sys.argv[3:]]
+    runpy.run_module("phalanx.cli", run_name="__main__")
+    """
+)
+
+
+def _run(tmp_path, module: str, where: str) -> subprocess.CompletedProcess:
+    argv = ["train", "ppo", "--env-runners", "0", "--max-timesteps", "100000000",
+            "--runs-dir", str(tmp_path), "--name", "r", "--no-progress"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env.pop("RAY_ADDRESS", None)
+    return subprocess.run(
+        [sys.executable, "-c", LAUNCHER, module, where, *argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_while_the_command_imports_its_modules(tmp_path):
+    proc = _run(tmp_path, "phalanx.algorithms.ppo", "main")
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "phalanx: interrupted by SIGINT (nothing was started)"
+    )
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_while_the_learner_thread_is_stuck_in_an_import(tmp_path):
+    # torch.optim.Adam imports torch._dynamo on the learner's start-up thread.
+    proc = _run(tmp_path, "torch._dynamo", "ppo-learner-init")
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "phalanx train ppo: interrupted by SIGINT" in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "r").exists()  # nothing was written: no folder left
