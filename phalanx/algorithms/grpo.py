@@ -76,7 +76,7 @@ def train(
     run = GRPORun(cfg, plan, task, bar)
     failed = False
     try:
-        run.launch(cluster, ckpt)
+        run.launch(cluster, ckpt, metrics)
         metrics.log_config(
             {**asdict(cfg), "model_dir": plan.base_dir, "max_total_sequence_length": plan.max_seq}
         )

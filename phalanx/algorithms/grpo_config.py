@@ -291,12 +291,6 @@ class GRPOConfig:
             lora_settings(
                 self.lora_cfg(), "lora_cfg (--lora-rank/--lora-alpha/--lora-target-modules)"
             )
-            if self.warmup_steps:
-                raise ConfigError(
-                    "lora_rank > 0 with warmup_steps > 0: the warm-up's result would become the "
-                    "reference policy, but with LoRA the reference is the base model; use "
-                    "warmup_steps=0 (a pretrained model) with LoRA"
-                )
         if self.warmup_steps and self.warmup_batch_size % self.num_policy_workers:
             raise ValueError(
                 f"warmup_batch_size {self.warmup_batch_size} is not divisible by "

@@ -250,29 +250,34 @@ class GRPORun:
         self.history: list[dict[str, Any]] = []
         self.evals: list[tuple[int, float]] = []
         self.p_correct: list[tuple[int, float]] = []
+        self.warmed_up = False  # the warm-up ran before the policy (LoRA)
 
-    def launch(self, cluster: Any, ckpt: str | None) -> None:
+    def launch(self, cluster: Any, ckpt: str | None, metrics: Any) -> None:
         """The policy (from checkpoint ``ckpt`` when resuming) and generation groups, placed
-        on their cores, and the refitter."""
+        on their cores, and the refitter.
+
+        A fresh LoRA run with a warm-up first warms up the whole model (a policy without
+        adapters, dropped afterwards): LoRA's reference is its frozen base, so the adapters
+        go on the warm-up's result (``sft_dir``), which is then the reference.
+        """
         import phalanx as px
         from phalanx.llm.generation import HFGenerationWorker
-        from phalanx.llm.policy import Policy
         from phalanx.llm.refit import Refitter
 
         cfg, plan = self.cfg, self.plan
         cluster = cluster if cluster is not None else px.Cluster()
-        with self.bar.waiting(f"{cfg.num_policy_workers} policy worker(s) loading {cfg.model}"):
-            self.policy = Policy(
-                cluster,
-                plan.policy_cfg,
-                plan.tokenizer,
-                num_workers=cfg.num_policy_workers,
-                name_prefix=f"grpo_policy_{os.getpid()}",
-                weights_path=os.path.join(ckpt, "weights") if ckpt else None,
-                optimizer_path=os.path.join(ckpt, "optim") if ckpt else None,
-                init_reference_model=cfg.kl_beta > 0 or plan.warm,
-                timeout_s=cfg.policy_timeout_s,
-            )
+        if plan.warm and cfg.lora_rank and ckpt is None:
+            whole = {k: v for k, v in plan.policy_cfg.items() if k != "dtensor_cfg"}
+            full = self._start_policy(cluster, whole, None, init_reference_model=False)
+            try:
+                self._warm_up(full, metrics)
+            finally:
+                full.worker_group.shutdown(cleanup_method="shutdown", timeout=60)
+            plan.policy_cfg = {**plan.policy_cfg, "model_name": plan.sft_dir}
+            self.warmed_up = True
+        self.policy = self._start_policy(
+            cluster, plan.policy_cfg, ckpt, init_reference_model=cfg.kl_beta > 0 or plan.warm
+        )
         with self.bar.waiting(f"{cfg.num_generation_workers} generation worker(s) loading"):
             self.generation = HFGenerationWorker.create_group(plan.gen_cfg, plan.tokenizer).launch(
                 cluster,
@@ -295,29 +300,50 @@ class GRPORun:
         self.memory = PhaseMemory(groups)
         self.refitter = Refitter(self.policy, self.generation, cfg.refit_transport)
 
-    def warm_up_or_resume(self, ckpt: str | None, metrics: Any) -> int:
-        """A fresh tiny run's supervised warm-up (its result becomes the reference), or a
-        resumed run's step and random states; returns the step to continue from."""
+    def _start_policy(
+        self, cluster: Any, policy_cfg: dict[str, Any], ckpt: str | None, **kwargs: Any
+    ) -> Any:
+        from phalanx.llm.policy import Policy
+
+        cfg = self.cfg
+        with self.bar.waiting(f"{cfg.num_policy_workers} policy worker(s) loading {cfg.model}"):
+            return Policy(
+                cluster,
+                policy_cfg,
+                self.plan.tokenizer,
+                num_workers=cfg.num_policy_workers,
+                name_prefix=f"grpo_policy_{os.getpid()}",
+                weights_path=os.path.join(ckpt, "weights") if ckpt else None,
+                optimizer_path=os.path.join(ckpt, "optim") if ckpt else None,
+                timeout_s=cfg.policy_timeout_s,
+                **kwargs,
+            )
+
+    def _warm_up(self, policy: Any, metrics: Any) -> None:
+        """Supervised steps on the task's answers; the result is saved to ``sft_dir``."""
         from phalanx.algorithms.grpo_tiny_task import sft_batch
         from phalanx.llm.loss import NLLLoss
 
+        cfg, plan = self.cfg, self.plan
+        on_policy_workers(policy, set_worker_lr, cfg.warmup_lr, "set_lr")
+        sft = {"gbs": cfg.warmup_batch_size, "mbs": cfg.warmup_batch_size // cfg.num_policy_workers}
+        with self.bar.waiting(f"supervised warm-up, {cfg.warmup_steps} steps"):
+            for i in range(cfg.warmup_steps):
+                pairs = [(e.prompt, e.answer) for e in self.task.sample(cfg.warmup_batch_size)]
+                out = policy.train(sft_batch(plan.tokenizer, pairs), NLLLoss(), **sft)
+                if i == cfg.warmup_steps - 1 or i % 10 == 0:
+                    metrics.log(-cfg.warmup_steps + i, {"sft_loss": float(out["loss"].mean())})
+            _save_hf_model(policy, plan.base_dir, plan.sft_dir, plan.tokenizer)
+
+    def warm_up_or_resume(self, ckpt: str | None, metrics: Any) -> int:
+        """A fresh tiny run's supervised warm-up (its result becomes the reference), or a
+        resumed run's step and random states; returns the step to continue from."""
         cfg, plan, policy = self.cfg, self.plan, self.policy
         start_step = 0
-        if ckpt is None and plan.warm:
-            on_policy_workers(policy, set_worker_lr, cfg.warmup_lr, "set_lr")
-            sft = {
-                "gbs": cfg.warmup_batch_size,
-                "mbs": cfg.warmup_batch_size // cfg.num_policy_workers,
-            }
-            with self.bar.waiting(f"supervised warm-up, {cfg.warmup_steps} steps"):
-                for i in range(cfg.warmup_steps):
-                    pairs = [(e.prompt, e.answer) for e in self.task.sample(cfg.warmup_batch_size)]
-                    out = policy.train(sft_batch(plan.tokenizer, pairs), NLLLoss(), **sft)
-                    if i == cfg.warmup_steps - 1 or i % 10 == 0:
-                        metrics.log(-cfg.warmup_steps + i, {"sft_loss": float(out["loss"].mean())})
-                policy.worker_group.call("update_reference_model").wait(timeout=300)
-                _save_hf_model(policy, plan.base_dir, plan.sft_dir, plan.tokenizer)
-                on_policy_workers(policy, reset_worker_optimizer, cfg.lr, "reset_optimizer")
+        if ckpt is None and plan.warm and not self.warmed_up:
+            self._warm_up(policy, metrics)
+            policy.worker_group.call("update_reference_model").wait(timeout=300)
+            on_policy_workers(policy, reset_worker_optimizer, cfg.lr, "reset_optimizer")
         elif ckpt is not None:
             with open(os.path.join(ckpt, "state.json")) as f:
                 state = json.load(f)
