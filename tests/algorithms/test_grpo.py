@@ -192,17 +192,13 @@ def _exit_after(worker, delay_s):
 
 
 @pytest.mark.timeout(60)
-def test_generate_retries_once_after_a_worker_died(cluster, tmp_path):
+def test_generate_retries_once_after_a_worker_died(cluster, model_path, tokenizer):
     """The worker dies under the generate call (WorkerDiedError): the call is made
     again once the group restarted it."""
-    from transformers import AutoTokenizer
-
-    from phalanx.algorithms.grpo_tiny_task import AdditionTask, build_tiny_model, encode_prompts
+    from phalanx.algorithms.grpo_tiny_task import AdditionTask, encode_prompts
     from phalanx.llm.generation import HFGenerationWorker
 
-    path = build_tiny_model(tmp_path / "model")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    cfg = {"model_name": path, "max_new_tokens": 4, "seed": 0}
+    cfg = {"model_name": model_path, "max_new_tokens": 4, "seed": 0}
     gen = HFGenerationWorker.create_group(cfg, tokenizer).launch(
         cluster,
         px.NodePlacement(num_workers=2),
@@ -234,6 +230,7 @@ def test_grpo_survives_a_generation_worker_killed_between_steps(cluster, tmp_pat
         prompts_per_step=2,
         samples_per_prompt=2,
         train_micro_batch_size=2,
+        num_policy_workers=1,  # the generation worker's restart is what is checked
         warmup_steps=0,
         warmup_batch_size=2,
         eval_every=0,
@@ -278,6 +275,7 @@ def test_two_steps_through_the_cli_then_resume(cluster, tmp_path):
         "--prompts-per-step", "2",
         "--samples-per-prompt", "2",
         "--train-micro-batch-size", "2",
+        "--num-policy-workers", "1",
         "--warmup-steps", "0",
         "--eval-every", "1",
         "--eval-size", "10",

@@ -231,7 +231,7 @@ def test_breakdown_covers_the_run(cluster, tmp_path):
     assert b["other"] == pytest.approx(out["wall_time_s"] - counted, abs=2e-3)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the README command in a fresh process that starts its own Ray")
 @pytest.mark.timeout(240)
 def test_readme_command_starts_its_own_ray(tmp_path):
     """The README command in a fresh process: its own embedded Ray (runner slots plus one,
