@@ -21,6 +21,8 @@ def read(path: str) -> list[tuple[str, str, float, str]]:
     out = []
     for case in ET.parse(path).getroot().iter("testcase"):
         module = case.get("classname", "")
+        if not module:  # a test cut short (the run was interrupted)
+            continue
         parts = module.split(".")
         # classname: tests.pkg.test_file[.Class]; keep the module part as a path
         n = next((i for i, p in enumerate(parts) if p.startswith("test_")), len(parts) - 1)

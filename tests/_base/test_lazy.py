@@ -90,6 +90,7 @@ def test_public_names_import_from_many_threads_at_once():
                 proc.wait(timeout=30)
 
 
+@pytest.mark.smoke
 def test_all_is_the_declared_table_and_every_name_resolves():
     for package in PACKAGES:
         module = importlib.import_module(package)
@@ -100,6 +101,7 @@ def test_all_is_the_declared_table_and_every_name_resolves():
         assert set(module.__all__) <= set(dir(module)), package
 
 
+@pytest.mark.smoke
 def test_unknown_name_is_an_attribute_error_naming_the_package():
     with pytest.raises(AttributeError, match="module 'phalanx.group' has no attribute 'Nope'"):
         assert importlib.import_module("phalanx.group").Nope is None

@@ -25,6 +25,7 @@ from phalanx.algorithms.grpo_workers import generate as _generate
 from phalanx.llm.loss import ClippedPGLossConfig, ClippedPGLossFn, token_logprobs
 
 
+@pytest.mark.smoke
 def test_group_normalized_advantages():
     r = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
     adv = group_normalized_advantages(r, 4)
@@ -35,6 +36,7 @@ def test_group_normalized_advantages():
         group_normalized_advantages(r, 3)
 
 
+@pytest.mark.smoke
 def test_clipped_pg_loss_values():
     # One sequence of 3 tokens, vocab 2; the last two tokens are trained on.
     logits = torch.zeros(1, 3, 2, requires_grad=True)
@@ -101,6 +103,7 @@ def test_derive_max_total_sequence_length():
         derive_max_total_sequence_length(0, 10)
 
 
+@pytest.mark.smoke
 def test_config_errors_name_the_value(tmp_path):
     with pytest.raises(ValueError, match="samples_per_prompt"):
         GRPOConfig(samples_per_prompt=1).validate()
@@ -131,6 +134,7 @@ def test_cli_rejects_bad_input_before_starting_anything(tmp_path, capsys):
     assert "no checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.slow(reason="40 GRPO steps: the rise of the reward needs them (gains 0.10-0.18)")
 @pytest.mark.timeout(600)
 def test_grpo_raises_reward_and_resumes(cluster, tmp_path):
     run_dir = str(tmp_path / "run")
@@ -191,7 +195,7 @@ def _exit_after(worker, delay_s):
     os._exit(1)
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)
 def test_generate_retries_once_after_a_worker_died(cluster, model_path, tokenizer):
     """The worker dies under the generate call (WorkerDiedError): the call is made
     again once the group restarted it."""
@@ -221,6 +225,7 @@ def test_generate_retries_once_after_a_worker_died(cluster, model_path, tokenize
         gen.shutdown()
 
 
+@pytest.mark.slow(reason="a GRPO run: its policy and generation workers start, one is killed")
 @pytest.mark.timeout(400)
 def test_grpo_survives_a_generation_worker_killed_between_steps(cluster, tmp_path):
     run_dir = str(tmp_path / "run")
@@ -263,6 +268,7 @@ def test_grpo_survives_a_generation_worker_killed_between_steps(cluster, tmp_pat
     assert all(h["response_length"] > 0 for h in hist)
 
 
+@pytest.mark.slow(reason="two GRPO runs (a run, then its resume), each starting its workers")
 @pytest.mark.timeout(300)
 def test_two_steps_through_the_cli_then_resume(cluster, tmp_path):
     """``phalanx train grpo --model tiny ...``: flags from the config dataclass, held-out

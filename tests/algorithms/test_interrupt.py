@@ -18,7 +18,6 @@ import pytest
 
 from tests.helpers import until
 
-
 # What these runs check (their own Ray stopped with them) needs a fresh process and Ray.
 _OWN_RAY = "a CLI run in a fresh process that starts its own Ray, then is signalled"
 

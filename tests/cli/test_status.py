@@ -109,6 +109,7 @@ def test_status_shows_workers_health_current_call_and_restarts(cluster, tmp_path
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.smoke
 def test_status_table_and_bad_input(cluster, capsys):
     from rich.console import Console
 
@@ -266,6 +267,7 @@ def test_status_names_an_authentication_failure_in_one_line_fast():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@pytest.mark.smoke
 def test_status_cli_rejects_a_timeout_that_is_not_positive(capsys):
     args = argparse.Namespace(address="127.0.0.1:1", group=None, timeout=0.0, json=False)
     assert status.run(args) == status.BAD_INPUT == 1
