@@ -179,6 +179,7 @@ def _our_actors() -> list[str]:
     ]
 
 
+@pytest.mark.slow(reason="a five-step asynchronous GRPO run: its workers start, then train")
 @pytest.mark.timeout(400)
 def test_async_run_trains_on_current_or_previous_versions(cluster, tmp_path):
     before = set(os.listdir("/dev/shm"))

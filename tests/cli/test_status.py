@@ -194,6 +194,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.slow(reason="a token-authenticated Ray head of its own, and four CLI processes")
 @pytest.mark.timeout(300)
 def test_status_names_an_authentication_failure_in_one_line_fast():
     """On a Ray head of this test's own, in its own process group and stopped by killing
