@@ -168,6 +168,7 @@ def test_multinode_gpu_placement(two_nodes):
     assert time.monotonic() - t0 < 5
 
 
+@pytest.mark.slow(reason="50 create-and-shutdown cycles of a virtual cluster and a group")
 @pytest.mark.timeout(600)
 def test_create_shutdown_cycles_leave_nothing_behind(cluster):
     from tests.workers import Recorder
