@@ -2,6 +2,10 @@
 
 Tests that need a different Ray (several nodes, declared GPUs) use ``fresh_ray`` which
 shuts the shared one down; the next test that asks for ``cluster`` starts it again.
+
+``--max-test-seconds S`` (CI passes 60) fails the session when a test takes longer than S
+(set-up, call and tear-down together) without ``@pytest.mark.slow(reason=...)``; a ``slow``
+marker without a reason is refused at collection. docs/testing.md lists what each test costs.
 """
 
 from __future__ import annotations
@@ -78,6 +82,63 @@ def tokenizer(model_path):
     return AutoTokenizer.from_pretrained(model_path)
 
 
+# seconds per test id; the ids marked slow with a reason; those over --max-test-seconds
+_took: dict = {"seconds": {}, "slow": set(), "over": []}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--max-test-seconds",
+        type=float,
+        default=None,
+        help="fail the session when a test not marked slow(reason=...) takes longer than this "
+        "(set-up, call and tear-down together)",
+    )
+
+
+def _slow_reason(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker("slow")
+    if marker is None:
+        return None
+    return marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unexplained = [item.nodeid for item in items if _slow_reason(item) == ""]
+    if unexplained:
+        raise pytest.UsageError(
+            "slow marker without a reason (write @pytest.mark.slow(reason=...)): "
+            + ", ".join(unexplained)
+        )
+    _took["slow"] = {item.nodeid for item in items if _slow_reason(item)}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    seconds = _took["seconds"]
+    seconds[report.nodeid] = seconds.get(report.nodeid, 0.0) + report.duration
+
+
 def pytest_sessionfinish(session, exitstatus):
     if ray.is_initialized():
         ray.shutdown()
+    limit = session.config.getoption("--max-test-seconds")
+    if limit is None:
+        return
+    _took["over"] = sorted(
+        (
+            (s, nodeid)
+            for nodeid, s in _took["seconds"].items()
+            if s > limit and nodeid not in _took["slow"]
+        ),
+        reverse=True,
+    )
+    if _took["over"] and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    if _took["over"]:
+        limit = config.getoption("--max-test-seconds")
+        terminalreporter.section(f"tests over {limit:g} s not marked slow(reason=...)", red=True)
+        for seconds, nodeid in _took["over"]:
+            terminalreporter.write_line(f"{seconds:7.1f} s  {nodeid}")

@@ -9,8 +9,11 @@ import pathlib
 from collections import defaultdict
 
 import grimp
+import pytest
 
 import phalanx
+
+pytestmark = pytest.mark.smoke
 
 PACKAGE_DIR = pathlib.Path(phalanx.__file__).parent
 MAX_LINES = 700

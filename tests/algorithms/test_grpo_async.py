@@ -33,6 +33,7 @@ def _rows(n: int, tag: float) -> BatchedDataDict:
     return BatchedDataDict(rewards=torch.full((n,), tag))
 
 
+@pytest.mark.smoke
 def test_buffer_drops_stale_batches_and_counts_their_trajectories():
     buf = TrajectoryBuffer(capacity=3)
     buf.put(_rows(4, 0.0), version=0)
@@ -178,6 +179,7 @@ def _our_actors() -> list[str]:
     ]
 
 
+@pytest.mark.slow(reason="a five-step asynchronous GRPO run: its workers start, then train")
 @pytest.mark.timeout(400)
 def test_async_run_trains_on_current_or_previous_versions(cluster, tmp_path):
     before = set(os.listdir("/dev/shm"))
@@ -220,6 +222,7 @@ def _kill_generation_after_step_1(run_dir: str, killed: list[float]) -> threadin
     return thread
 
 
+@pytest.mark.slow(reason="two GRPO runs: a killed generation worker tolerated, then fatal")
 @pytest.mark.timeout(600)
 def test_generation_worker_killed_mid_run_within_and_beyond_max_failures(cluster, tmp_path):
     run_dir = str(tmp_path / "tolerated")

@@ -41,6 +41,7 @@ def test_bad_lora_flags_exit_bad_input(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow(reason="two GRPO runs (a LoRA run, then its resume), each starting its workers")
 @pytest.mark.timeout(300)
 def test_lora_run_through_the_cli_checkpoints_adapters_and_resumes(cluster, tmp_path):
     """``phalanx train grpo --lora-rank 4``: two steps, a checkpoint holding peft's adapter
@@ -60,6 +61,7 @@ def test_lora_run_through_the_cli_checkpoints_adapters_and_resumes(cluster, tmp_
         "--prompts-per-step", "2",
         "--samples-per-prompt", "2",
         "--train-micro-batch-size", "2",
+        "--num-policy-workers", "1",  # two ranks' adapters: tests/llm/test_lora_policy.py
         "--warmup-steps", "0",
         "--eval-every", "0",
         "--checkpoint-every", "2",

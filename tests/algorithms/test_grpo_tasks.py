@@ -27,6 +27,7 @@ def test_builtin_splits_are_seeded_and_disjoint(name):
     assert [e.prompt for e in other.heldout] != [e.prompt for e in a.heldout]
 
 
+@pytest.mark.smoke
 def test_addition_answers_and_reward():
     task = AdditionTask(seed=0, eval_size=10, format_reward=0.1)
     for e in task.heldout:

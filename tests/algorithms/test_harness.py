@@ -18,6 +18,7 @@ from phalanx.cli.main import main
 from phalanx.resources.ray_start import RayStartError
 
 
+@pytest.mark.smoke
 def test_exit_codes_are_distinct_and_documented():
     codes = (harness.DONE, harness.BAD_INPUT, harness.USAGE, harness.BUDGET_SPENT,
              harness.RUNTIME_FAILURE, harness.SIGINT_EXIT, harness.SIGTERM_EXIT)  # fmt: skip
@@ -29,6 +30,7 @@ def test_exit_codes_are_distinct_and_documented():
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.smoke
 def test_help_usage_and_bad_input_exit_codes(tmp_path, capsys):
     for prog in ("ppo", "grpo"):
         assert main(["train", prog, "--help"]) == 0
@@ -182,6 +184,7 @@ def test_precision_auto_picks_bf16_only_on_fast_hardware(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.smoke
 def test_ppo_budget_spent_exits_3_with_tensorboard_events(tmp_path, capsys):
     """In this process (no env runner processes, no Ray): the budget ends before
     --stop-return, exit 3; TensorBoard's event files are written when it is installed."""

@@ -18,6 +18,9 @@ import pytest
 
 from tests.helpers import until
 
+# What these runs check (their own Ray stopped with them) needs a fresh process and Ray.
+_OWN_RAY = "a CLI run in a fresh process that starts its own Ray, then is signalled"
+
 
 def _metrics_rows(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
@@ -71,7 +74,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason=_OWN_RAY)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_ppo_run_stops_on_a_signal(tmp_path, sig, code):
@@ -88,7 +91,7 @@ def test_ppo_run_stops_on_a_signal(tmp_path, sig, code):
     assert status["status"] == "interrupted" and status["exit_code"] == code
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason=_OWN_RAY)
 @pytest.mark.timeout(300)
 def test_ppo_run_stops_when_the_whole_job_gets_sigterm(tmp_path):
     """Ray's own processes die with the run: the clean-up's actor-name lookups would block
@@ -104,7 +107,7 @@ def test_ppo_run_stops_when_the_whole_job_gets_sigterm(tmp_path):
     assert "interrupted by SIGTERM" in err and f"{run} keeps " in err
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason=_OWN_RAY)
 @pytest.mark.timeout(400)
 def test_grpo_run_stops_on_ctrl_c(tmp_path):
     argv = ["grpo", "--model", "tiny", "--name", "g", "--runs-dir", str(tmp_path),

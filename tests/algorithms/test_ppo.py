@@ -21,6 +21,7 @@ def _cfg(tmp_path, **kw) -> PPOConfig:
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.smoke
 def test_bad_config_names_the_option(tmp_path):
     with pytest.raises(ValueError, match="minibatch_size=9999 is larger than the batch"):
         _cfg(tmp_path, minibatch_size=9999).validate()
@@ -37,6 +38,7 @@ def test_bad_config_names_the_option(tmp_path):
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.smoke
 def test_gae_bootstraps_truncation_only():
     T = 3
     b = {
@@ -217,6 +219,7 @@ def test_cli_flags_override_file_and_tuned_values(tmp_path):
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.smoke
 def test_breakdown_covers_the_run(cluster, tmp_path):
     cfg = _cfg(tmp_path, num_env_runners=1, max_timesteps=1024)
     out = train(cfg, cluster=cluster, progress=False)
@@ -231,7 +234,7 @@ def test_breakdown_covers_the_run(cluster, tmp_path):
     assert b["other"] == pytest.approx(out["wall_time_s"] - counted, abs=2e-3)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="the README command in a fresh process that starts its own Ray")
 @pytest.mark.timeout(240)
 def test_readme_command_starts_its_own_ray(tmp_path):
     """The README command in a fresh process: its own embedded Ray (runner slots plus one,

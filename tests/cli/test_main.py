@@ -8,6 +8,7 @@ from phalanx.cli.main import main
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.smoke
 def test_train_ppo_flags_come_from_the_config_dataclass(capsys):
     assert main(["train", "ppo", "--help"]) == 0
     out = capsys.readouterr().out
@@ -24,6 +25,7 @@ def test_train_ppo_flags_come_from_the_config_dataclass(capsys):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.smoke
 def test_train_lists_the_algorithms(capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "--help"])

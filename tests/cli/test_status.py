@@ -57,8 +57,16 @@ def test_status_shows_workers_health_current_call_and_restarts(cluster, tmp_path
     try:
         release = str(tmp_path / "release")
         handle = g.execute_on(1).block_until(release)
-        time.sleep(1.0)
-        st = _group(status.collect_status(timeout_s=10, group="status_busy"), "status_busy")
+
+        def busy_half_a_second() -> bool:
+            found = status.collect_status(timeout_s=10, group="status_busy")
+            shown[:] = [_group(found, "status_busy")]
+            worker = shown[0].workers[1]
+            return worker.current_call == "block_until" and (worker.call_seconds or 0) >= 0.5
+
+        shown: list[status.GroupStatus] = []
+        assert until(busy_half_a_second, 60, interval=0.1), shown
+        st = shown[0]
         assert st.world_size == 3 and [w.rank for w in st.workers] == [0, 1, 2]
         assert [w.health for w in st.workers] == ["healthy"] * 3
         assert [w.current_call for w in st.workers] == [None, "block_until", None]
@@ -101,6 +109,7 @@ def test_status_shows_workers_health_current_call_and_restarts(cluster, tmp_path
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.smoke
 def test_status_table_and_bad_input(cluster, capsys):
     from rich.console import Console
 
@@ -185,6 +194,7 @@ sys.stdin.read()
 """
 
 
+@pytest.mark.slow(reason="a token-authenticated Ray head of its own, and four CLI processes")
 @pytest.mark.timeout(300)
 def test_status_names_an_authentication_failure_in_one_line_fast():
     """On a Ray head of this test's own, in its own process group and stopped by killing
@@ -258,6 +268,7 @@ def test_status_names_an_authentication_failure_in_one_line_fast():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@pytest.mark.smoke
 def test_status_cli_rejects_a_timeout_that_is_not_positive(capsys):
     args = argparse.Namespace(address="127.0.0.1:1", group=None, timeout=0.0, json=False)
     assert status.run(args) == status.BAD_INPUT == 1

@@ -89,6 +89,7 @@ def ch(cluster):
     channel.close()
 
 
+@pytest.mark.smoke
 def test_fifo_order_over_1000_items(ch):
     for i in range(1000):
         ch.put(i, key="fifo")
@@ -129,6 +130,7 @@ def test_put_with_weight_positionally_goes_to_the_default_key(ch):
     assert ch.get_batch(2) == ["y"]
 
 
+@pytest.mark.smoke
 def test_keys_are_isolated(ch):
     ch.put("x1", key="kx")
     ch.put("y1", key="ky")

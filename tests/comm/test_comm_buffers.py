@@ -25,6 +25,7 @@ def _send(pool: shm.SegmentPool, reader: shm.SegmentReader, value: int, nbytes: 
     return ref, reader.open(ref)[offsets[0] : offsets[0] + nbytes]
 
 
+@pytest.mark.smoke
 def test_a_slot_is_reused_only_after_every_view_is_freed():
     pool, reader = shm.SegmentPool(max_slots=4), shm.SegmentReader()
     ref_a, a = _send(pool, reader, 1)

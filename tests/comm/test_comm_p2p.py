@@ -556,6 +556,7 @@ def test_work_object_api():
         w.wait(timeout=-1)
 
 
+@pytest.mark.smoke
 def test_transport_decision():
     from phalanx.comm.config import CommConfig
     from phalanx.comm.wire import select_transport

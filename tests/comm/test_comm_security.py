@@ -121,6 +121,7 @@ def test_listener_on_the_node_address_and_secret_in_kv(peers):
     assert isinstance(secret, bytes) and len(secret) == 32
 
 
+@pytest.mark.smoke
 def test_server_proves_itself_to_the_client(peers, tmp_path):
     """A squatter without the secret cannot pose as a peer: the client refuses it."""
     from phalanx.comm.auth import client_handshake

@@ -77,6 +77,7 @@ def _pack(capacity: int, algorithm: str = "first_fit_decreasing", **extra: int) 
 # ----------------------------------------------------------------------------- from_batches
 
 
+@pytest.mark.smoke
 def test_from_batches_concatenates_and_pads_with_default_zero() -> None:
     a = {"ids": torch.tensor([[1, 2], [3, 4]]), "n": torch.tensor([2, 2]), "t": ["a", "b"]}
     b = {"ids": torch.tensor([[5, 6, 7]]), "n": torch.tensor([3]), "t": ["c"]}
@@ -381,6 +382,7 @@ def test_reorder_data_rejects_non_permutations(perm: list[int]) -> None:
 # ----------------------------------------------------------------------------- plain sharding
 
 
+@pytest.mark.smoke
 def test_shard_whole_batch_and_by_global_batch() -> None:
     d = BatchedDataDict({"problem_id": [0, 0, 1, 1, 2, 2, 3, 3], "x": torch.arange(8)})
     shards = d.shard_by_batch_size(shards=2)
@@ -517,6 +519,7 @@ def test_shard_errors_are_also_nemo_rl_assertion_errors() -> None:
 # ----------------------------------------------------------------------------- dynamic batching
 
 
+@pytest.mark.smoke
 def test_dynamic_batching_exact_plan() -> None:
     d = _seq_data([5, 1, 7, 3, 2, 8, 4, 6])
     shards, perm = d.shard_by_batch_size(2, dynamic_batching_args=_dyn(16, rnd=2))
@@ -648,6 +651,7 @@ def test_microbatch_iterators_need_a_plan() -> None:
 # ----------------------------------------------------------------------------- sequence packing
 
 
+@pytest.mark.smoke
 def test_packing_ffd_vs_mffd_exact() -> None:
     # capacity 30: MFFD puts two small items (6, 7) beside the large 16; FFD puts 9 there
     d = _seq_data([9, 16, 6, 7])

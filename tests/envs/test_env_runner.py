@@ -42,6 +42,7 @@ def _runner(n=2, **kw) -> EnvRunner:
     return EnvRunner(cfg, worker_index=0)
 
 
+@pytest.mark.smoke
 def test_sample_timesteps_exact_and_shapes():
     r = _runner(4)
     b = r.sample(num_timesteps=40)
@@ -85,6 +86,7 @@ def test_episode_stats_across_timestep_calls():
     assert b2["episode_lengths"].tolist() == [5, 5] and b2["episode_returns"].tolist() == [5, 5]
 
 
+@pytest.mark.smoke
 def test_truncation_bootstraps_from_final_observation():
     cfg = EnvRunnerGroupConfig(num_envs_per_env_runner=1, seed=0)
     r = EnvRunner(cfg, env_creator=lambda ctx: CountEnv(limit=3), worker_index=0)

@@ -35,6 +35,7 @@ def group(cluster):
     g.stop()
 
 
+@pytest.mark.smoke
 def test_counts_health_and_spaces(group):
     assert group.num_remote_workers() == group.num_remote_env_runners() == 2
     assert group.healthy_worker_ids() == [1, 2]
@@ -47,6 +48,7 @@ def test_counts_health_and_spaces(group):
     assert group.probe_unhealthy_workers(timeout_seconds=5) == []
 
 
+@pytest.mark.smoke
 def test_foreach_worker_variants(group):
     assert group.foreach_worker(lambda w: w.worker_index) == [0, 1, 2]
     assert group.foreach_worker(lambda w: w.worker_index, local_env_runner=False) == [1, 2]
@@ -101,6 +103,7 @@ def test_sample_counts(group):
     assert all(b["timesteps"] == b["episode_lengths"].sum() for b in eps)
 
 
+@pytest.mark.smoke
 def test_sync_weights_reaches_every_runner(group):
     local = group.local_env_runner
     with torch.no_grad():

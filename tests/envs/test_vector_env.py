@@ -78,6 +78,7 @@ def test_observations_come_in_the_reused_buffer():
     env.close()
 
 
+@pytest.mark.smoke
 def test_a_wrong_number_of_actions_is_refused():
     env = SameStepVectorEnv([_pendulum] * 2)
     env.reset(seed=0)

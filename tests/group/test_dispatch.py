@@ -19,6 +19,7 @@ def _data(calls):
     return [(r, a, k) for r, a, k in calls]
 
 
+@pytest.mark.smoke
 def test_broadcast_and_execute_on():
     assert dispatch.broadcast([0, 2], (1,), {"k": 2}) == [(0, (1,), {"k": 2}), (2, (1,), {"k": 2})]
     assert dispatch.execute_on((0, 3), 4, "g") == [0, 3]

@@ -73,6 +73,7 @@ def echo(cluster):
     g.shutdown()
 
 
+@pytest.mark.smoke
 def test_fan_out_and_execute_on(echo):
     assert echo.hello().wait() == [0, 1, 2, 3]
     assert echo.execute_on(0, 3).hello().wait() == [0, 3]
@@ -127,6 +128,7 @@ def test_generator_and_async_methods(echo):
     assert echo.uses_asyncio_run().wait() == [0, 1, 2, 3]
 
 
+@pytest.mark.smoke
 def test_error_names_group_rank_method_and_traceback(echo):
     with pytest.raises(px.WorkerError) as info:
         echo.execute_on(2).fail().wait()

@@ -45,6 +45,7 @@ def fresh_calls(wg):
     return new
 
 
+@pytest.mark.smoke
 def test_layout(wg):
     assert wg.world_size == 4 and wg.dp_size == 4
     assert [m["node_idx"] for m in wg.worker_metadata] == [0, 0, 0, 0]
@@ -52,6 +53,7 @@ def test_layout(wg):
     assert wg.sharding_annotations.get_worker_coords(3) == {"dp": 1, "tp": 1}
 
 
+@pytest.mark.smoke
 def test_sharded_dp_replicated_tp(wg, fresh_calls):
     fut = wg.run_all_workers_sharded_data(
         "record",

@@ -30,6 +30,7 @@ def _recorded(g):
     return [len(c) for c in ray.get([w.get_calls.remote() for w in g.workers])]
 
 
+@pytest.mark.smoke
 def test_multiple_data_count_mismatch_is_assertion_and_value_error(pair):
     for data in ([1], [1, 2, 3]):
         with pytest.raises(AssertionError) as info:

@@ -19,6 +19,7 @@ def s3() -> NamedSharding:
     return NamedSharding(LAYOUT_3D, ["dp", "pp", "tp"])
 
 
+@pytest.mark.smoke
 def test_properties(s3: NamedSharding) -> None:
     assert s3.names == ["dp", "pp", "tp"]
     assert s3.ndim == 3

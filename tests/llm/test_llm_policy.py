@@ -59,6 +59,7 @@ def policy2(cluster, model_path, tokenizer):
     policy.shutdown()
 
 
+@pytest.mark.smoke
 def test_logprobs_match_hf_then_training_lowers_loss_and_keeps_reference(
     policy2, model_path, tokenizer
 ):

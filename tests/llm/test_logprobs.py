@@ -25,6 +25,7 @@ def test_chunked_logprobs_equal_the_full_computation(chunk, dtype) -> None:
     torch.testing.assert_close(got, _full(logits, ids), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.smoke
 def test_chunked_logprobs_gradients_equal_the_full_computation() -> None:
     g = torch.Generator().manual_seed(1)
     base = torch.randn(2, 6, 40, generator=g)

@@ -107,6 +107,7 @@ def test_checkpoint_holds_peft_adapters_and_resumes(
         resumed.shutdown()
 
 
+@pytest.mark.slow(reason="three two-rank LoRA policies (plain, dynamic batching, packing)")
 def test_dynamic_batching_and_sequence_packing_with_adapters_equal_plain(
     cluster, model_path, tokenizer
 ):

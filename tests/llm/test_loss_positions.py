@@ -64,6 +64,7 @@ def _run(model, loss_fn, data, trim: bool):
     return loss.detach(), metrics, grads
 
 
+@pytest.mark.smoke
 def test_first_loss_position_is_the_earliest_valid_prediction_of_a_kept_row() -> None:
     data = _batch()
     # row 2 is masked out, so row 0's first response token (position 5) sets it: logits

@@ -11,6 +11,7 @@ from phalanx.observe.breakdown import WallBreakdown, process_age_s, read_breakdo
 
 
 @pytest.mark.timeout(30)
+@pytest.mark.smoke
 def test_phases_other_and_overlap(tmp_path):
     b = WallBreakdown()
     b.add("ray start", 2.0)

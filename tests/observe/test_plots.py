@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from phalanx.cli.report import summarize
 from phalanx.observe.metrics import MetricsLogger
 from phalanx.observe.plots import phase_keys, plot_learning_curve, plot_phase_times, series
@@ -56,6 +58,7 @@ def test_phase_chart_starts_at_step_1_and_stacks_within_the_step(tmp_path, monke
     assert seen["heights"] == [5.0, 5.0, 6.5]  # each at most its step's total
 
 
+@pytest.mark.smoke
 def test_ppo_curve_uses_timesteps(tmp_path):
     rows = [{"step": i, "timesteps": 512 * i, "return_mean_recent": 20.0 * i} for i in (1, 2)]
     assert series(rows, "return_mean_recent") == ([512, 1024], [20.0, 40.0])

@@ -185,6 +185,7 @@ def test_workers_started_after_enable_trace_and_off_records_nothing(cluster, tmp
     trace.reset()
 
 
+@pytest.mark.smoke
 def test_span_and_record_event_are_noops_when_off_and_bad_input_raises(tmp_path):
     trace.reset()
     assert not trace.enabled()

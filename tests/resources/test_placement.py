@@ -11,6 +11,7 @@ from ray.cluster_utils import Cluster as RayTestCluster
 import phalanx as px
 
 
+@pytest.mark.smoke
 def test_packed_device_order():
     assert px.PackedPlacement(0, 3).devices_per_rank() == [[0], [1], [2], [3]]
     assert px.PackedPlacement(0, 3, num_devices_per_process=2).devices_per_rank() == [
@@ -40,6 +41,7 @@ def test_packed_bad_input(kwargs, match):
         px.PackedPlacement(**kwargs)
 
 
+@pytest.mark.smoke
 def test_flexible_and_node_bad_input():
     with pytest.raises(ValueError, match="appears twice"):
         px.FlexiblePlacement([[0], [0]])
@@ -166,6 +168,7 @@ def test_multinode_gpu_placement(two_nodes):
     assert time.monotonic() - t0 < 5
 
 
+@pytest.mark.slow(reason="50 create-and-shutdown cycles of a virtual cluster and a group")
 @pytest.mark.timeout(600)
 def test_create_shutdown_cycles_leave_nothing_behind(cluster):
     from tests.workers import Recorder

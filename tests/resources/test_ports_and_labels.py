@@ -12,6 +12,7 @@ from phalanx.resources.cluster import find_free_port
 LOW, HIGH = 41000, 41400
 
 
+@pytest.mark.smoke
 def test_find_free_port_stays_in_the_range(cluster):
     ports = [find_free_port("127.0.0.1", port_range=(LOW, HIGH)) for _ in range(5)]
     assert all(LOW <= p < HIGH for p in ports)

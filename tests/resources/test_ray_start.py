@@ -83,6 +83,7 @@ def test_retry_recovers_after_a_real_start_failure():
     assert len(retries) == 1, proc.stderr
 
 
+@pytest.mark.smoke
 def test_other_errors_are_not_retried():
     calls = []
 
@@ -113,6 +114,7 @@ def test_spent_budget_raises_ray_start_error_after_one_try():
     assert isinstance(info.value, RuntimeError)
 
 
+@pytest.mark.smoke
 def test_which_failures_are_start_failures():
     assert is_start_failure(Exception("The current node timed out during startup. This"))
     assert is_start_failure(RuntimeError("Failed to start GCS.  Last 3 lines of error files"))

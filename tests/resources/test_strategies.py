@@ -189,6 +189,7 @@ def test_strategy_bad_input(make, match):
     assert isinstance(info.value, AssertionError) and isinstance(info.value, ValueError)
 
 
+@pytest.mark.smoke
 def test_strategies_on_cpu_cluster(cluster):
     placements = px.NodePlacementStrategy([0, 0]).get_placement(cluster)
     assert _table(placements) == [(0, 0, 0, 0, 2, -1, []), (1, 0, 0, 1, 2, -1, [])]

@@ -97,6 +97,7 @@ def test_nonfinite_weights_are_refused_before_sending(holders, bad):
         sender.close()
 
 
+@pytest.mark.smoke
 def test_large_finite_values_are_not_mistaken_for_inf(holders):
     model = make_model()
     sender = px.WeightSender(holders, model)
@@ -136,6 +137,7 @@ def test_closed_sender_no_longer_restores(holders):
     live.close()
 
 
+@pytest.mark.smoke
 def test_bad_flags(holders):
     with pytest.raises(TypeError, match="strict"):
         px.WeightSender(holders, strict="yes")

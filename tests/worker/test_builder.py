@@ -65,6 +65,7 @@ def test_rank_variables_cannot_be_overridden(cluster):
         Recorder.create_group().launch(cluster, name="x", env_vars={"MASTER_PORT": "1"})
 
 
+@pytest.mark.smoke
 def test_builder_bad_input():
     with pytest.raises(ValueError, match="module.Class"):
         px.RayWorkerBuilder("NoDots")
@@ -76,6 +77,7 @@ def test_builder_bad_input():
         px.RayWorkerBuilder("a.B").with_runtime_env(py_executable="/no/such/python")
 
 
+@pytest.mark.smoke
 def test_builder_call_and_async_with_initializer(cluster):
     from ray.util.placement_group import placement_group, remove_placement_group
 

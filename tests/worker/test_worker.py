@@ -20,6 +20,7 @@ class Plain(px.Worker):
         self.tag = tag
 
 
+@pytest.mark.smoke
 def test_create_group_goes_through_the_registered_factory(monkeypatch):
     group = Plain.create_group("a")
     assert isinstance(group, px.WorkerGroup)  # registered by phalanx.group at import
@@ -78,6 +79,7 @@ def _slot(**kw):
     return WorkerSlot(**base)
 
 
+@pytest.mark.smoke
 def test_rank_env_rlinf_isolated():
     slot = _slot(
         gpu_ids=[2, 3],
