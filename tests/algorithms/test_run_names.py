@@ -4,6 +4,9 @@ anything starts."""
 
 from __future__ import annotations
 
+import sys
+
+import gymnasium as gym
 import pytest
 
 from phalanx.algorithms import _harness as harness
@@ -37,8 +40,17 @@ def test_a_bad_name_is_refused_by_validate(cfg_cls, name, why):
     assert str(info.value) == why
 
 
+@pytest.fixture
+def forget_module_env():
+    """Undo the module env's import and registration in this process afterwards (another
+    test checks that naming it imports the module)."""
+    yield
+    gym.registry.pop(MODULE_ENV.split(":")[1], None)
+    sys.modules.pop(MODULE_ENV.split(":")[0], None)
+
+
 @pytest.mark.timeout(120)
-def test_ppo_with_a_module_env_id_runs_under_a_derived_name(cluster, tmp_path):
+def test_ppo_with_a_module_env_id_runs_under_a_derived_name(cluster, tmp_path, forget_module_env):
     cfg = PPOConfig(env=MODULE_ENV, num_env_runners=1, max_timesteps=64, runs_dir=str(tmp_path))
     summary = ppo.train(cfg, cluster=cluster, progress=False)
     assert summary["timesteps"] >= 64
