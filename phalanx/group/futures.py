@@ -38,12 +38,11 @@ class _GroupBound:
 GROUP_BOUND: Any = _GroupBound()
 
 
-def default_call_timeout() -> float | None:
-    """A new group's ``call_timeout_s``: ``$PHALANX_CALL_TIMEOUT_S`` (seconds > 0, or
-    ``none`` for no bound), else ``DEFAULT_CALL_TIMEOUT_S``."""
-    raw = os.environ.get("PHALANX_CALL_TIMEOUT_S", "").strip()
+def _seconds_env(name: str, default: float | None) -> float | None:
+    """``$name`` as seconds > 0, or None for ``none``; ``default`` when unset."""
+    raw = os.environ.get(name, "").strip()
     if not raw:
-        return DEFAULT_CALL_TIMEOUT_S
+        return default
     if raw.lower() == "none":
         return None
     try:
@@ -51,26 +50,21 @@ def default_call_timeout() -> float | None:
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise ValueError(f"PHALANX_CALL_TIMEOUT_S must be seconds > 0 or 'none', got {raw!r}")
+        raise ValueError(f"{name} must be seconds > 0 or 'none', got {raw!r}")
     return value
+
+
+def default_call_timeout() -> float | None:
+    """A new group's ``call_timeout_s``: ``$PHALANX_CALL_TIMEOUT_S`` (seconds > 0, or
+    ``none`` for no bound), else ``DEFAULT_CALL_TIMEOUT_S``."""
+    return _seconds_env("PHALANX_CALL_TIMEOUT_S", DEFAULT_CALL_TIMEOUT_S)
 
 
 def call_silence_bound() -> float | None:
     """How long a wait without an explicit timeout lets a called rank leave its health
     probe unanswered before it fails naming that rank: ``$PHALANX_CALL_SILENCE_S``
     (seconds > 0, or ``none``), else ``DEFAULT_CALL_SILENCE_S``. Read at each wait."""
-    raw = os.environ.get("PHALANX_CALL_SILENCE_S", "").strip()
-    if not raw:
-        return DEFAULT_CALL_SILENCE_S
-    if raw.lower() == "none":
-        return None
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"PHALANX_CALL_SILENCE_S must be seconds > 0 or 'none', got {raw!r}")
-    return value
+    return _seconds_env("PHALANX_CALL_SILENCE_S", DEFAULT_CALL_SILENCE_S)
 
 
 def _bound(timeout: Any, group: Any) -> float | None:
