@@ -24,7 +24,8 @@ def evaluate(
     """Mean and std of the returns of ``episodes`` episodes of the run's saved policy."""
     import torch
 
-    from phalanx.algorithms.ppo import PPOConfig, build_policy, load_checkpoint
+    from phalanx.algorithms.ppo_config import PPOConfig
+    from phalanx.algorithms.ppo_run import build_policy, load_checkpoint
     from phalanx.envs import DEFAULT_POLICY_ID, EnvRunner
 
     check_int(episodes, "episodes", minimum=1)

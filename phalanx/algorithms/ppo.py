@@ -1,8 +1,9 @@
 """PPO on gymnasium environments with phalanx env runners (CleanRL style).
 
 Read top to bottom: advantage estimation (``gae``), the loss and update (``ppo_update``),
-checkpoints, start-up, the training loop (``train``) and the command line (``cli``). The
-hyperparameters (``PPOConfig``) and the values tuned per env (``TUNED``) are in
+the training loop (``train``: one labelled phase per part of an iteration) and the
+command line (``cli``). Start-up and checkpoints are in ``ppo_run.py``; the
+hyperparameters (``PPOConfig``) and the values tuned per env (``TUNED``) in
 ``ppo_config.py``.
 
 Sampling runs on an :class:`~phalanx.envs.EnvRunnerGroup`: ``num_env_runners`` remote
@@ -14,23 +15,18 @@ learner (``policy_lag`` in the metrics). A runner that dies is left out of that 
 restarted by the group, and given the current weights and normaliser before it samples
 again; ``restarts`` in the metrics counts it.
 
-Start-up overlaps: Ray and the env runners start on a helper thread while this thread
-imports torch and builds the learner (torch is therefore imported inside the functions
-that use it). Every run ends with a breakdown of its wall time (``WallBreakdown``).
+Start-up overlaps (``ppo_run.start_run``): a helper thread imports torch and builds the
+learner while this thread starts Ray and the env runners, so torch is imported inside
+the functions that use it. Every run ends with a breakdown of its wall time
+(``WallBreakdown``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import io
 import json
-import math
-import os
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,13 +35,34 @@ import numpy as np
 
 from phalanx.algorithms import _harness as harness
 from phalanx.algorithms.ppo_config import TUNED, PPOConfig
+from phalanx.algorithms.ppo_run import (
+    CHECKPOINT_FILE,
+    Learner,
+    build_learner,
+    build_policy,
+    load_checkpoint,
+    open_run,
+    save_checkpoint,
+    save_learner,
+    start_run,
+)
 from phalanx.observe.breakdown import WallBreakdown, process_age_s
 
 if TYPE_CHECKING:
     import torch
 
-CHECKPOINT_FILE = "checkpoint.pt"
-__all__ = ["TUNED", "PPOConfig", "build_policy", "cli", "gae", "load_checkpoint", "train"]
+    from phalanx.envs import EnvRunnerGroup
+__all__ = [
+    "TUNED",
+    "PPOConfig",
+    "build_learner",
+    "build_policy",
+    "cli",
+    "gae",
+    "load_checkpoint",
+    "save_checkpoint",
+    "train",
+]
 
 
 # ---------------------------------------------------------------------------- advantages
@@ -152,148 +169,6 @@ def ppo_update(
     return out
 
 
-# ---------------------------------------------------------------------------- checkpoints
-def save_checkpoint(path: Path, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    connector: dict[str, Any], timesteps: int, iteration: int, episodes: int,
-                    cfg: PPOConfig, spaces: tuple[Any, Any]) -> None:  # fmt: skip
-    """Policy, optimizer, normaliser and counters; written atomically.
-
-    A write that fails (a full disk) raises ``OSError`` naming ``path`` and the errno
-    (``ENOSPC``); the previous checkpoint stays and no partial file is left.
-    """
-    import torch
-
-    tmp = path.with_suffix(".tmp")
-    buf = io.BytesIO()  # serialised first: a failed write then is a plain OSError
-    torch.save(
-        {
-            "policy": policy.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "connector": connector,
-            "timesteps": timesteps,
-            "iteration": iteration,
-            "episodes": episodes,
-            "config": asdict(cfg),
-            "observation_space": spaces[0],
-            "action_space": spaces[1],
-        },
-        buf,
-    )
-    try:
-        with open(tmp, "wb") as f:
-            f.write(buf.getbuffer())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        code = errno.errorcode.get(e.errno, str(e.errno)) if e.errno else type(e).__name__
-        raise OSError(
-            e.errno,
-            f"could not write the checkpoint {path} ({code}: {e.strerror or e}); the "
-            "previous checkpoint is kept",
-        ) from None
-
-
-_CHECKPOINT_KEYS = ("policy", "optimizer", "connector", "timesteps", "iteration", "episodes",
-                    "config", "observation_space", "action_space")  # fmt: skip
-
-
-def load_checkpoint(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The checkpoint of ``run_dir`` (a ``runs/<name>`` folder or the file itself).
-
-    ``FileNotFoundError`` or ``ValueError`` naming the file when it is missing, unreadable
-    or not a PPO checkpoint.
-    """
-    import torch
-
-    path = Path(run_dir)
-    if path.is_dir() or (not path.exists() and path.suffix != ".pt"):
-        path = path / CHECKPOINT_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"no PPO checkpoint at {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # torch raises many types for a damaged file
-        raise ValueError(
-            f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}: {e})"
-        ) from None
-    missing = [k for k in _CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
-    if missing:
-        raise ValueError(f"checkpoint {path} is not a PPO checkpoint (missing {missing})")
-    harness.check_keys(ckpt["config"], PPOConfig, f"checkpoint {path}")
-    return ckpt
-
-
-_NETWORK_FIELDS = ("env", "env_config", "hidden", "activation")  # what shapes the policy
-
-
-def check_resumable(ckpt: dict[str, Any], cfg: PPOConfig, path: Path) -> None:
-    """``ValueError`` naming the field and ``path`` when the checkpoint's policy was built
-    for another environment or network than ``cfg``'s (checked before anything starts)."""
-    saved = ckpt["config"]
-    for name in _NETWORK_FIELDS:
-        was, now = saved.get(name), getattr(cfg, name)
-        if isinstance(was, list):
-            was = tuple(was)
-        if name in saved and was != now:
-            raise ValueError(
-                f"{name}: the checkpoint {path} was trained with {name}={was!r}, not "
-                f"{now!r}; --resume continues a run with its own environment and network "
-                "(start a new run under another --name)"
-            )
-
-
-def build_policy(cfg: PPOConfig, observation_space: Any, action_space: Any) -> torch.nn.Module:
-    from phalanx.envs.policy import ActorCritic
-
-    return ActorCritic(
-        observation_space, action_space, cfg.hidden, cfg.activation, cfg.init_log_std
-    )
-
-
-# ---------------------------------------------------------------------------- start-up
-@dataclass
-class Learner:
-    """The learner's state: policy, optimizer, spaces and counters."""
-
-    policy: Any
-    optimizer: Any
-    spaces: tuple[Any, Any]
-    timesteps: int = 0
-    iteration: int = 0
-    episodes: int = 0
-
-
-def build_learner(cfg: PPOConfig, ckpt: dict[str, Any] | None) -> Learner:
-    """Policy and optimizer (from the checkpoint when given); runs on the start-up thread
-    while Ray and the runners start, so torch is imported here."""
-    import gymnasium as gym
-    import torch
-
-    import phalanx.weights.sender  # noqa: F401  (imported now, not at the first sync)
-
-    torch.set_num_threads(cfg.torch_threads)
-    torch.manual_seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    env = gym.make(cfg.env, disable_env_checker=True, **cfg.env_config)
-    spaces = (env.observation_space, env.action_space)
-    env.close()
-    policy = build_policy(cfg, *spaces)
-    # foreach: one kernel per step for all tensors (not the CPU default), a shorter update
-    optimizer = torch.optim.Adam(
-        policy.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps, foreach=True
-    )
-    learner = Learner(policy, optimizer, spaces)
-    if ckpt is not None:
-        policy.load_state_dict(ckpt["policy"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        learner.timesteps, learner.iteration = ckpt["timesteps"], ckpt["iteration"]
-        learner.episodes = ckpt["episodes"]
-    return learner
-
-
 # ---------------------------------------------------------------------------- training
 def train(
     cfg: PPOConfig,
@@ -312,187 +187,102 @@ def train(
     return value stops the run there. ``times`` collects the wall-time breakdown (the
     summary's ``breakdown``; a new one when not given).
     """
-    t_start = time.perf_counter()
-    times = times if times is not None else WallBreakdown()
-    cfg.validate()
-    if cfg.name is None:
-        cfg = replace(cfg, name=harness.fresh_run_name(f"ppo-{cfg.env}", cfg.runs_dir))
-    run_dir = Path(cfg.runs_dir) / cfg.name
-    ckpt_path = run_dir / CHECKPOINT_FILE
-    if not resume and ckpt_path.exists():
-        raise ValueError(
-            f"name: {run_dir} already has a checkpoint; pass --resume to continue it or "
-            "choose another --name"
-        )
-
-    ckpt = load_checkpoint(ckpt_path) if resume else None
-    if ckpt is not None:
-        check_resumable(ckpt, cfg, ckpt_path)
-
-    # 1. start-up: the learner is built on a helper thread while Ray and the runners start
-    learner_future: Future[Learner] = harness.in_background(
-        "ppo-learner-init", _timed, times, "learner init", build_learner, cfg, ckpt
-    )
-    runners = None
-    try:
-        if cluster is None and cfg.num_env_runners > 0:
-            from phalanx.resources.ray_start import start_ray
-
-            with times.phase("ray start"):
-                runners_and_standby = cfg.num_env_runners + cfg.num_standby_env_runners
-                slots = runners_and_standby * cfg.env_runner_config().num_cpus_per_env_runner
-                start_ray(math.ceil(slots) + 1)  # the runners' slots and a spare
-        from phalanx.envs import EnvRunnerGroup
-
-        with times.phase("env runners start"):
-            runners = EnvRunnerGroup(
-                config=cfg.env_runner_config(),
-                local_env_runner=cfg.num_env_runners == 0,
-                cluster=cluster,
-                name=f"ppo_{cfg.name}_{os.getpid()}",
-            )
-        with times.phase("waiting for learner init"):
-            learner = learner_future.result()
-        import torch  # imported by the learner's thread by now
-
-        # The count is kept per thread (OpenMP, MKL): the learner was built on the start-up
-        # thread and trains on this one.
-        torch.set_num_threads(cfg.torch_threads)
-        policy, optimizer = learner.policy, learner.optimizer
-        obs_space, act_space = learner.spaces
-        timesteps, iteration, episodes = learner.timesteps, learner.iteration, learner.episodes
-        remote_spaces = runners.get_spaces()["__env__"]
-        if remote_spaces != learner.spaces:
-            raise ValueError(
-                f"env: the runners' spaces {remote_spaces} differ from the learner's "
-                f"{learner.spaces}"
-            )
-        with times.phase("first weight sync"):
-            if ckpt is not None:
-                runners.set_connector_state(ckpt["connector"])
-            runners.sync_weights(from_worker_or_learner_group=policy, timeout_seconds=None)
-    except BaseException:
-        if runners is not None:
-            runners.stop()
-        raise
-    from phalanx.observe import trace
     from phalanx.observe.metrics import MetricsLogger
+    from phalanx.observe.phases import StepPhases
     from phalanx.observe.progress import Progress
 
+    t_start = time.perf_counter()
+    times = times if times is not None else WallBreakdown()
+    cfg, run_dir, ckpt = open_run(cfg, resume)
+    runners, learner = start_run(cfg, ckpt, cluster, times)  # holding the learner's weights
+    policy, optimizer = learner.policy, learner.optimizer
     log = MetricsLogger(run_dir, use_wandb=cfg.wandb)
     if ckpt is not None:  # rows of iterations after the checkpoint are redone now
-        log.drop_after(timesteps)
-    log.log_config({**asdict(cfg), "resumed_from": timesteps if ckpt else None})
+        log.drop_after(learner.timesteps)
+    log.log_config({**asdict(cfg), "resumed_from": learner.timesteps if ckpt else None})
     bar = Progress(
-        total=cfg.max_timesteps, start=timesteps, title=f"PPO {cfg.env}", enabled=progress
+        total=cfg.max_timesteps, start=learner.timesteps, title=f"PPO {cfg.env}", enabled=progress
     )
+    phases = StepPhases(bar, breakdown=times)
     recent: deque[float] = deque(maxlen=cfg.stop_window)
-    min_episodes = min(cfg.stop_window, cfg.stop_min_episodes)
-    first_iteration_at = timesteps
-    t_loop = time.perf_counter()
-    pending = runners.sample_async()
-    reached = stopped = False
+    t_loop, first_timesteps = time.perf_counter(), learner.timesteps
     reached_at: float | None = None
+    stopped = False
     synced = True  # the runners hold the learner's current weights
-    last: dict[str, Any] = {}
+    row: dict[str, Any] = {}
+    pending = runners.sample_async()
     try:
-        while timesteps < cfg.max_timesteps and not (reached or stopped):
+        while learner.timesteps < cfg.max_timesteps and reached_at is None and not stopped:
+            phases.new_step()
             t_iter = time.perf_counter()
             # 1. collect the round in flight
-            with bar.waiting("rollouts from the env runners"), times.phase("sampling (waited)"):
+            with phases("rollout", "rollouts from the env runners", breakdown="sampling (waited)"):
                 batches = runners.collect_samples(pending)
-            t_sampled = time.perf_counter()
-            t_sync = 0.0
-            with times.phase("weight sync"):
+            # 2. asynchronous mode: the runners, idle now, get the weights trained on the
+            #    previous batch and sample the next round while this one trains
+            with phases("weight_sync", "weight sync", breakdown="weight sync"):
                 if cfg.normalize_observations:
-                    runners.sync_env_runner_states(env_steps_sampled=timesteps)
+                    runners.sync_env_runner_states(env_steps_sampled=learner.timesteps)
                 if cfg.async_sampling:
-                    # The runners are idle now: give them the weights trained on the previous
-                    # batch and start the next round, which samples while we train on this one.
                     if not synced:
                         runners.sync_weights(
                             from_worker_or_learner_group=policy, timeout_seconds=None
                         )
-                        synced = True
-                    t_sync = time.perf_counter() - t_sampled
+                    synced = True
                     pending = runners.sample_async()
             if not batches:  # every runner died during the round; they are being restarted
                 if not cfg.async_sampling:
                     pending = runners.sample_async()
                 continue
-            # 2. learn
+            # 3. learn: advantages per runner (GAE), then clipped-surrogate minibatch epochs
             learner_version = runners.weights_version
-            steps = sum(b["timesteps"] for b in batches)
-            timesteps += steps
-            iteration += 1
-            new_returns = [r for b in batches for r in b["episode_returns"]]
-            episodes += len(new_returns)
+            new_returns = count_iteration(learner, batches)
             recent.extend(new_returns)
-            mean_recent = float(np.mean(recent)) if recent else float("nan")
-            if (
-                cfg.stop_return is not None
-                and len(recent) >= min_episodes
-                and mean_recent >= cfg.stop_return
-            ):
-                reached = True  # this batch's policy made it; the update below still runs
+            if stop_return_reached(cfg, recent):  # this batch's policy made it; it still trains
                 reached_at = time.perf_counter() - t_start
             if cfg.anneal_lr:
-                frac = max(1.0 - timesteps / cfg.max_timesteps, cfg.lr_floor)
+                frac = max(1.0 - learner.timesteps / cfg.max_timesteps, cfg.lr_floor)
                 optimizer.param_groups[0]["lr"] = frac * cfg.learning_rate
-            t_learn = time.perf_counter()
-            with times.phase("learning"), trace.span("ppo.update", iteration=iteration):
+            with phases("train", "learning", breakdown="learning"):
                 stats = ppo_update(policy, optimizer, flatten_batches(batches, cfg), cfg)
             synced = False
-            t_trained = time.perf_counter()
-            # 3. synchronous mode: weights out, next round in
+            # 4. synchronous mode: weights out, next round in
             if not cfg.async_sampling:
-                with times.phase("weight sync"):
+                with phases("weight_sync", "weight sync", breakdown="weight sync"):
                     runners.sync_weights(from_worker_or_learner_group=policy, timeout_seconds=None)
                     synced = True
-                    t_sync = time.perf_counter() - t_trained
                     pending = runners.sample_async()
-            with times.phase("metrics and progress"):
-                lengths = [x for b in batches for x in b["episode_lengths"]]
-                metrics = {
-                    "timesteps": timesteps,
-                    "iteration": iteration,
-                    "episodes": episodes,
-                    "return_mean": float(np.mean(new_returns)) if new_returns else float("nan"),
-                    "return_std": float(np.std(new_returns)) if new_returns else float("nan"),
-                    "return_mean_recent": mean_recent,
-                    "episode_len_mean": float(np.mean(lengths)) if lengths else float("nan"),
+            # 5. metrics, the stop callback and the periodic checkpoint
+            with phases("metrics", "metrics", breakdown="metrics and progress"):
+                now = time.perf_counter()
+                row = {
+                    "timesteps": learner.timesteps,
+                    "iteration": learner.iteration,
+                    "episodes": learner.episodes,
+                    **episode_metrics(batches, new_returns, recent),
                     **stats,
                     "lr": optimizer.param_groups[0]["lr"],
-                    "time/rollout": t_sampled - t_iter,
-                    "time/train": t_trained - t_learn,
-                    "time/weight_sync": t_sync,
-                    "time/step": time.perf_counter() - t_iter,
-                    "time/total": time.perf_counter() - t_start,
-                    "throughput/steps_per_s": (timesteps - first_iteration_at)
-                    / max(time.perf_counter() - t_loop, 1e-9),
-                    "restarts": runners.num_remote_worker_restarts(),
-                    "healthy_env_runners": runners.num_healthy_remote_workers(),
-                    "weights_version": runners.weights_version,
-                    # versions the learner was ahead of the weights that sampled this batch
-                    "policy_lag": learner_version - min(b["weights_version"] for b in batches),
-                    "batch_runners": len(batches),
+                    **{f"time/{k}": phases.times.get(k, 0.0) for k in ("rollout", "train")},
+                    "time/weight_sync": phases.times.get("weight_sync", 0.0),
+                    "time/step": now - t_iter,
+                    "time/total": now - t_start,
+                    "throughput/steps_per_s": (learner.timesteps - first_timesteps)
+                    / max(now - t_loop, 1e-9),
+                    **runner_metrics(runners, batches, learner_version),
                 }
-                log.log(timesteps, metrics)
-                bar.update(timesteps, {**metrics, "return_mean": mean_recent})
-            last = metrics
-            if on_iteration is not None and on_iteration(metrics, runners):
-                stopped = True
-            if iteration % cfg.checkpoint_every == 0 and not (reached or stopped):
-                with times.phase("checkpoints"):
-                    save_checkpoint(ckpt_path, policy, optimizer, runners.get_connector_state(),
-                                    timesteps, iteration, episodes, cfg, (obs_space, act_space))  # fmt: skip
+                log.log(learner.timesteps, row)
+                bar.update(learner.timesteps, {**row, "return_mean": row["return_mean_recent"]})
+            stopped = on_iteration is not None and bool(on_iteration(row, runners))
+            finishing = reached_at is not None or stopped
+            if learner.iteration % cfg.checkpoint_every == 0 and not finishing:
+                with phases("checkpoint", breakdown="checkpoints"):
+                    save_learner(run_dir / CHECKPOINT_FILE, learner, runners, cfg)
     finally:
         bar.close()
         log.close()
-        t_loop_end = time.perf_counter()
+        train_loop_s = time.perf_counter() - t_loop
         with times.phase("checkpoints"):
-            save_checkpoint(ckpt_path, policy, optimizer, runners.get_connector_state(),
-                            timesteps, iteration, episodes, cfg, (obs_space, act_space))  # fmt: skip
+            save_learner(run_dir / CHECKPOINT_FILE, learner, runners, cfg)
         restarts = runners.num_remote_worker_restarts()
         with times.phase("env runners stop"):
             runners.stop()
@@ -504,25 +294,69 @@ def train(
     wall = time.perf_counter() - t_start
     times.save(run_dir, wall)
     return {
-        "timesteps": timesteps,
-        "iterations": iteration,
-        "episodes": episodes,
+        "timesteps": learner.timesteps,
+        "iterations": learner.iteration,
+        "episodes": learner.episodes,
         "return_mean_recent": float(np.mean(recent)) if recent else float("nan"),
-        "reached_stop_return": reached,
+        "reached_stop_return": reached_at is not None,
         "stopped_by_callback": stopped,
         "time_to_stop_return_s": reached_at,
         "wall_time_s": wall,
-        "train_loop_s": t_loop_end - t_loop,
-        "steps_per_s": last.get("throughput/steps_per_s", float("nan")),
+        "train_loop_s": train_loop_s,
+        "steps_per_s": row.get("throughput/steps_per_s", float("nan")),
         "restarts": restarts,
         "run_dir": str(run_dir),
         "breakdown": times.as_dict(wall),
     }
 
 
-def _timed(times: WallBreakdown, phase: str, fn: Callable[..., Any], *args: Any) -> Any:
-    with times.phase(phase, overlapped=True):
-        return fn(*args)
+def count_iteration(learner: Learner, batches: list[dict[str, Any]]) -> list[float]:
+    """Add one iteration's steps, episodes and the iteration itself to the learner's
+    counters; returns the returns of the episodes that ended in it."""
+    new_returns = [r for b in batches for r in b["episode_returns"]]
+    learner.timesteps += sum(b["timesteps"] for b in batches)
+    learner.iteration += 1
+    learner.episodes += len(new_returns)
+    return new_returns
+
+
+def stop_return_reached(cfg: PPOConfig, recent: deque[float]) -> bool:
+    """Whether the mean of the last ``stop_window`` returns reached ``stop_return``
+    (over at least ``min(stop_window, stop_min_episodes)`` episodes)."""
+    enough = len(recent) >= min(cfg.stop_window, cfg.stop_min_episodes)
+    return cfg.stop_return is not None and enough and float(np.mean(recent)) >= cfg.stop_return
+
+
+def episode_metrics(
+    batches: list[dict[str, Any]], new_returns: list[float], recent: deque[float]
+) -> dict[str, float]:
+    """Returns and lengths of the episodes that ended in this iteration, and the mean of
+    the recent ones (NaN where there are none)."""
+    lengths = [x for b in batches for x in b["episode_lengths"]]
+
+    def mean(xs: Any) -> float:
+        return float(np.mean(xs)) if len(xs) else float("nan")
+
+    return {
+        "return_mean": mean(new_returns),
+        "return_std": float(np.std(new_returns)) if new_returns else float("nan"),
+        "return_mean_recent": mean(recent),
+        "episode_len_mean": mean(lengths),
+    }
+
+
+def runner_metrics(
+    runners: EnvRunnerGroup, batches: list[dict[str, Any]], learner_version: int
+) -> dict[str, int]:
+    """The env runners' restarts and health, the weights' version, and how many versions
+    the learner was ahead of the weights that sampled this batch (``policy_lag``)."""
+    return {
+        "restarts": runners.num_remote_worker_restarts(),
+        "healthy_env_runners": runners.num_healthy_remote_workers(),
+        "weights_version": runners.weights_version,
+        "policy_lag": learner_version - min(b["weights_version"] for b in batches),
+        "batch_runners": len(batches),
+    }
 
 
 # ---------------------------------------------------------------------------- command line

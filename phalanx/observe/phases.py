@@ -1,11 +1,11 @@
 """The phases of a training step: one labelled block each, timed, traced and shown.
 
 ``with phases("training"):`` runs the block while the progress line says what is running,
-records it as a trace span and stores its wall seconds in ``phases.times["training"]``;
-with ``peak=True`` the peak memory of the block (from a ``memory`` object with ``reset()``
-and ``peak()``) goes to ``phases.memory_gb["training"]``; with a ``breakdown`` (a ``WallBreakdown``) the
-block's time also goes to the run's wall-time breakdown under the phase's ``breakdown``
-name. An algorithm's loop then reads as its list of phases, with no timing statements
+records it as a trace span and adds its wall seconds to ``phases.times["training"]`` (a
+phase entered twice in a step counts both); with ``peak=True`` the peak memory of the
+block (from a ``memory`` object with ``reset()`` and ``peak()``) goes to
+``phases.memory_gb["training"]``; with a ``breakdown`` (a ``WallBreakdown``) the block's
+time also goes to the run's wall-time breakdown under the phase's ``breakdown`` name. An algorithm's loop then reads as its list of phases, with no timing statements
 between them.
 """
 
@@ -65,6 +65,6 @@ class StepPhases:
             if self.breakdown is not None:
                 stack.enter_context(self.breakdown.phase(breakdown or name))
             yield
-        self.times[name] = time.perf_counter() - start
+        self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - start
         if peak:
             self.memory_gb[name] = self.memory.peak()
