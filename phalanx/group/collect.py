@@ -53,6 +53,7 @@ class Collector:
         self._name = name
         self._hooks: dict[str, list[ResultHook]] = {}
         self._labels: OrderedDict[Any, str] = OrderedDict()
+        self._silenced: set[int] = set()  # marked unhealthy for an unanswered health probe
 
     @property
     def name(self) -> str:
@@ -71,6 +72,11 @@ class Collector:
         return remove
 
     def _seen(self, method: str, ranks: list[int], values: list[Any]) -> None:
+        if self._silenced and self._fault is not None:
+            back = [r for r in ranks if r in self._silenced]
+            if back:  # a rank that fell silent answered after all (it was only stopped)
+                self._silenced.difference_update(back)
+                self._fault.mark_healthy(back)
         hooks = self._hooks.get(method)
         if hooks and ranks:
             for hook in list(hooks):
@@ -191,10 +197,23 @@ class Collector:
                     probes[rank] = actors[rank]._px_ping.remote()
             silent = [rk for rk in pending if now - heard[rk] >= silence_s]
             if silent:
+                self._mark_silent(method, silent, silence_s)
                 raise self.timeout_error(
                     method, ranks, refs, pending, round(now - start, 1), silent=silent,
                     silence_s=silence_s,
                 )  # fmt: skip
+
+    def _mark_silent(self, method: str, ranks: list[int], silence_s: float) -> None:
+        """Ranks that left their health probe unanswered are unhealthy (as RLlib marks an
+        actor that fails its ping): the next call restarts them unless one of their calls
+        answers first."""
+        if self._fault is None:
+            return
+        for rank in ranks:
+            self._silenced.add(rank)
+            self._fault.set_in_service(
+                rank, False, f"did not answer a health probe for {silence_s:g}s during {method}()"
+            )
 
     def _wait_failed(
         self, method: str, ranks: list[int], refs: list[Any], timeout: float | None

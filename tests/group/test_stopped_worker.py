@@ -1,6 +1,7 @@
 """A stopped (SIGSTOP) worker during a call without an explicit timeout: the wait fails
 once the rank leaves its health probe unanswered for ``PHALANX_CALL_SILENCE_S`` (60 s by
-default, 3 s here), naming it, and the hang report says exactly why it has no stacks."""
+default, 3 s here), naming it; the rank is marked unhealthy until it answers; the hang
+report says exactly why it has no stacks."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 import pytest
 
 import phalanx as px
+from phalanx.group.fault import WorkerHealth
 from phalanx.group.hang import HangTimeoutError
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,6 +60,15 @@ def test_a_stopped_worker_fails_a_default_wait_naming_it(cluster, tmp_path, monk
             "debugger); a stopped process runs no code, so it cannot report its stacks)"
         ) in e.report
         assert "block" in e.where[0]  # rank 0 answered: its stack is in the report
+        assert g.health() == {0: WorkerHealth.HEALTHY, 1: WorkerHealth.UNHEALTHY}
+        event = g.health_events()[-1]
+        assert (event.rank, event.new, event.reason) == (
+            1,
+            WorkerHealth.UNHEALTHY,
+            "did not answer a health probe for 3s during block()",
+        )
         assert handle.wait(timeout=60) == [0, 1]  # it was only stopped
+        assert g.health() == {0: WorkerHealth.HEALTHY, 1: WorkerHealth.HEALTHY}
+        assert g.pid().wait() == pids  # answered: back in service, not restarted
     finally:
         g.shutdown()
