@@ -1,0 +1,126 @@
+"""Exits that must always be clean, tried many times: a script that ends with
+``ray.shutdown()`` after using a group, and Ctrl-C at a random moment of
+``phalanx train ppo``'s start-up.
+
+``shutdown``: runs the script of ``tests/group/test_ray_shutdown.py`` (a group, a channel,
+then ``ray.shutdown()``) ``--runs`` times; every run must exit 0 (a crash shows as a
+negative status or 134/139).
+
+``ctrl-c``: starts the README's PPO command ``--runs`` times and sends SIGINT to it at a
+random moment in its first ``--window`` seconds; every run must exit 130 (or 0 if it had
+finished) within ``--exit-within`` seconds of the signal, leaving none of its processes.
+
+Prints one line per run, then a ``RESULT`` record with the counts of exit statuses.
+
+    python benchmarks/exit_campaign.py shutdown --runs 100
+    python benchmarks/exit_campaign.py ctrl-c --runs 30 --window 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tests.group.test_ray_shutdown import SCRIPT  # noqa: E402
+
+PPO = ["train", "ppo", "--env", "CartPole-v1", "--env-runners", "2", "--stop-return", "450"]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
+    return env
+
+
+def shutdown_once(workdir: str) -> tuple[int, str]:
+    """One run of the script; (exit status, the last line of its stderr)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=workdir, env=_env(), capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    tail = (proc.stderr.strip().splitlines() or [""])[-1][:200]
+    return proc.returncode, tail
+
+
+def ctrl_c_once(workdir: str, at_s: float, exit_within_s: float) -> tuple[int, str]:
+    """Start the PPO command, SIGINT it ``at_s`` seconds later; (exit status, what was
+    wrong: a late exit or processes left behind, else empty)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phalanx.cli", *PPO, "--runs-dir", workdir, "--no-progress"],
+        cwd=workdir, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        proc.wait(timeout=at_s)
+    except subprocess.TimeoutExpired:
+        pass
+    family = set()
+    if proc.poll() is None:
+        family = {proc.pid} | {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+        proc.send_signal(signal.SIGINT)
+    problem = ""
+    try:
+        code = proc.wait(timeout=exit_within_s)
+    except subprocess.TimeoutExpired:
+        problem = f"no exit within {exit_within_s:g} s of SIGINT"
+        os.killpg(proc.pid, signal.SIGKILL)
+        code = proc.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    left = [p for p in family if psutil.pid_exists(p)]
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = [p for p in family if psutil.pid_exists(p)]
+    left = [p for p in left if psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    if left:
+        problem += f" {len(left)} processes left"
+        for p in left:
+            os.kill(p, signal.SIGKILL)
+    proc.stderr.close()
+    return code, problem.strip()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=["shutdown", "ctrl-c"])
+    parser.add_argument("--runs", type=int, default=100)
+    parser.add_argument("--window", type=float, default=10.0, help="ctrl-c: latest signal (s)")
+    parser.add_argument("--exit-within", type=float, default=30.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    codes: collections.Counter[int] = collections.Counter()
+    bad = 0
+    for i in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="exit_campaign_") as workdir:
+            if args.mode == "shutdown":
+                code, note = shutdown_once(workdir)
+                ok = code == 0
+                note = "" if ok else note
+            else:
+                at = rng.uniform(0.0, args.window)
+                code, note = ctrl_c_once(workdir, at, args.exit_within)
+                note = f"SIGINT at {at:.1f} s" + (f": {note}" if note else "")
+                ok = code in (0, 130) and ":" not in note
+        codes[code] += 1
+        bad += not ok
+        print(f"run {i + 1}/{args.runs}: exit {code} {'ok' if ok else 'FAILED'} {note}", flush=True)
+    print("RESULT " + json.dumps({"mode": args.mode, "runs": args.runs, "failed": bad,
+                                  "exit_codes": dict(codes)}))  # fmt: skip
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
