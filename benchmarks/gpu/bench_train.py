@@ -51,11 +51,15 @@ def make_batch(rows: int, seq: int, vocab: int, lengths: torch.Tensor, pad: int)
     }
 
 
-def policy_config(path: str, rows: int, seq: int, mbs: int, device: str) -> dict:
+def policy_config(
+    path: str, rows: int, seq: int, mbs: int, device: str, chunk: int | None = None
+) -> dict:
     """The policy config of the measured worker: bf16 (float32 on a CPU, whose bf16 matrix
-    products are slow), dynamic batching, fused AdamW."""
+    products are slow), dynamic batching, fused AdamW; ``chunk`` positions per log-prob
+    chunk (None: the worker's default)."""
     kwargs = {"lr": 1e-5, **({"fused": True} if device == "cuda" else {})}
     return {
+        **({"logprob_chunk_size": chunk} if chunk is not None else {}),
         "model_name": path,
         "precision": "bfloat16" if device == "cuda" else "float32",
         "train_global_batch_size": rows,
@@ -114,6 +118,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--lengths", choices=("uniform", "varied"), default="uniform")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--logprob-chunk-size", type=int, default=None,
+        help="positions per log-prob chunk of the policy worker (default: its own)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if min(args.rows, args.seq, args.mbs, args.repeats) < 1:
         ap.error("--rows, --seq, --mbs and --repeats must be >= 1")
@@ -134,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
     seq = min(args.seq, config.max_position_embeddings)
     lengths = batch_lengths(args.rows, seq, args.lengths)
     batch = make_batch(args.rows, seq, config.vocab_size, lengths, tokenizer.pad_token_id)
-    cfg = policy_config(path, args.rows, seq, args.mbs, device)
+    cfg = policy_config(path, args.rows, seq, args.mbs, device, args.logprob_chunk_size)
     shards, _ = px.BatchedDataDict(batch).shard_by_batch_size(
         1,
         batch_size=args.rows,
@@ -186,6 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows=args.rows,
         seq=seq,
         mbs=args.mbs,
+        logprob_chunk_size=args.logprob_chunk_size,
         tokens=tokens,
         policy_tokens_per_s=round(tokens / policy_s),
         plain_tokens_per_s=round(tokens / plain_s),
