@@ -4,7 +4,8 @@
 
 ``shutdown``: runs the script of ``tests/group/test_ray_shutdown.py`` (a group, a channel,
 then ``ray.shutdown()``) ``--runs`` times; every run must exit 0 (a crash shows as a
-negative status or 134/139).
+negative status or 134/139; a run that does not exit within ``4 x --exit-within``
+seconds is killed and counted as a hang).
 
 ``ctrl-c``: starts the README's PPO command ``--runs`` times and sends SIGINT to it at a
 random moment in its first ``--window`` seconds; every run must exit 130 (or 0 if it had
@@ -45,14 +46,23 @@ def _env() -> dict[str, str]:
     return env
 
 
-def shutdown_once(workdir: str) -> tuple[int, str]:
-    """One run of the script; (exit status, the last line of its stderr)."""
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=workdir, env=_env(), capture_output=True,
-        text=True, timeout=300,
+def shutdown_once(workdir: str, limit_s: float) -> tuple[int | None, str]:
+    """One run of the script; (exit status, or None when it did not exit within
+    ``limit_s``; the last stage it printed and the last line of its stderr)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT], cwd=workdir, env=_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
-    tail = (proc.stderr.strip().splitlines() or [""])[-1][:200]
-    return proc.returncode, tail
+    try:
+        out, err = proc.communicate(timeout=limit_s)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        code = None
+    stages = [ln.split()[0] for ln in out.splitlines() if ln.startswith(("before", "after"))]
+    tail = (err.strip().splitlines() or [""])[-1][:200]
+    return code, f"stages {stages}; {tail}"
 
 
 def ctrl_c_once(workdir: str, at_s: float, exit_within_s: float) -> tuple[int, str]:
@@ -101,12 +111,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    codes: collections.Counter[int] = collections.Counter()
+    codes: collections.Counter[int | None] = collections.Counter()
     bad = 0
     for i in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="exit_campaign_") as workdir:
             if args.mode == "shutdown":
-                code, note = shutdown_once(workdir)
+                code, note = shutdown_once(workdir, args.exit_within * 4)
                 ok = code == 0
                 note = "" if ok else note
             else:
@@ -114,11 +124,11 @@ def main() -> int:
                 code, note = ctrl_c_once(workdir, at, args.exit_within)
                 note = f"SIGINT at {at:.1f} s" + (f": {note}" if note else "")
                 ok = code in (0, 130) and ":" not in note
-        codes[code] += 1
+        codes[code] += 1  # None: no exit within the limit (a hang)
         bad += not ok
         print(f"run {i + 1}/{args.runs}: exit {code} {'ok' if ok else 'FAILED'} {note}", flush=True)
     print("RESULT " + json.dumps({"mode": args.mode, "runs": args.runs, "failed": bad,
-                                  "exit_codes": dict(codes)}))  # fmt: skip
+                                  "exit_codes": {str(k): v for k, v in codes.items()}}))  # fmt: skip
     return 1 if bad else 0
 
 
