@@ -140,10 +140,26 @@ class EnvRunnerGroupConfig:
             raise TypeError("policies_to_train must be a list of policy ids or None")
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as a dict of its fields.
+
+        Returns:
+            The dict.
+        """
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EnvRunnerGroupConfig:
+        """A config from a dict of its fields.
+
+        Args:
+            d: the fields.
+
+        Returns:
+            The config.
+
+        Raises:
+            ValueError: a key is not a field (it names the unknown keys).
+        """
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -176,6 +192,14 @@ class EnvContext(dict):
         self.recreated_worker = recreated_worker
 
     def copy_with_overrides(self, **kw: Any) -> EnvContext:
+        """A copy with some of its fields replaced.
+
+        Args:
+            **kw: the fields to replace.
+
+        Returns:
+            The new ``EnvContext``.
+        """
         args = dict(
             env_config=dict(self),
             worker_index=self.worker_index,
