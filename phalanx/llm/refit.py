@@ -171,6 +171,12 @@ class Refitter:
 
         Returns the sender's ``SyncResult`` (``routes``: the path each generator got), or
         None for ``"collective"``, which the policy broadcasts itself.
+
+        Returns:
+            The ``SyncResult``, or None.
+
+        Raises:
+            RuntimeError: some generation worker did not apply the weights.
         """
         if self.transport in ("ipc", "shm", "cuda_ipc"):
             result = self._refit_shared()
