@@ -742,6 +742,31 @@ def create_channel(
 
     RLinf's keywords (``channel_name``, ``node_rank``, ``maxsize``); the older
     ``name``/``node_id`` of RLinf's API document are accepted too.
+
+    Args:
+        channel_name: the channel's name.
+        node_rank: the node that hosts the channel actor.
+        maxsize: the most items one key holds (0: unbounded).
+        distributed: not supported.
+        local: not supported.
+        name: the channel's name, by its older keyword.
+        node_id: the older name of ``node_rank``.
+
+    Returns:
+        A handle to the new channel.
+
+    Raises:
+        ValueError: both ``channel_name`` and ``name`` are given, or a channel of that
+            name exists.
+        NotImplementedError: ``distributed`` or ``local`` is True.
+
+    Example:
+        >>> import phalanx as px
+        >>> cluster = px.Cluster()
+        >>> channel = px.create_channel("example_channel", maxsize=4)
+        >>> channel.put({"step": 1})
+        >>> px.connect_channel("example_channel").get()
+        {'step': 1}
     """
     return Channel.create(
         _channel_name(channel_name, name),
@@ -754,7 +779,18 @@ def create_channel(
 
 
 def connect_channel(channel_name: str | None = None, *, name: str | None = None) -> Channel:
-    """Connect to a channel by name (see ``Channel.connect``)."""
+    """Connect to a channel by name (see ``Channel.connect``).
+
+    Args:
+        channel_name: the channel's name.
+        name: the same, by its older keyword.
+
+    Returns:
+        A handle to the channel.
+
+    Raises:
+        ValueError: both names are given, or no channel has that name.
+    """
     return Channel.connect(_channel_name(channel_name, name))
 
 

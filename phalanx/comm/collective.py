@@ -42,15 +42,33 @@ class CollectiveGroup:
 
     @property
     def world_size(self) -> int:
+        """The number of members.
+
+        """
         return len(self.members)
 
     def broadcast(self, tensor: Any, src: int = 0) -> Any:
-        """In-place broadcast of ``tensor`` from member ``src``; returns ``tensor``."""
+        """In-place broadcast of ``tensor`` from member ``src``; returns ``tensor``.
+
+        Args:
+            tensor: the tensor, overwritten on the other members.
+            src: the member that sends.
+
+        Returns:
+            ``tensor``.
+        """
         self.pg.broadcast([tensor], src).wait()
         return tensor
 
     def all_reduce(self, tensor: Any) -> Any:
-        """In-place sum over the members; returns ``tensor``."""
+        """In-place sum over the members; returns ``tensor``.
+
+        Args:
+            tensor: the tensor, summed in place.
+
+        Returns:
+            ``tensor``.
+        """
         self.pg.allreduce([tensor]).wait()
         return tensor
 

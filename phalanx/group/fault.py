@@ -136,7 +136,14 @@ class RestartPolicy:
 
     @classmethod
     def never(cls, ignore_failures: bool = False) -> RestartPolicy:
-        """Track health, never restart."""
+        """Track health, never restart.
+
+        Args:
+            ignore_failures: leave failed workers out instead of raising.
+
+        Returns:
+            The policy.
+        """
         return cls(max_restarts_per_worker=0, max_restarts_total=0, ignore_failures=ignore_failures)
 
     @classmethod
@@ -152,7 +159,18 @@ class RestartPolicy:
         """RLlib's failure rule (its ``EnvRunnerGroup`` and ``FaultTolerantActorManager``):
         any error takes a worker out of service until a probe; with ``restart`` its
         process is replaced at once (up to ``max_restarts`` times), else a probe that it
-        answers brings it back. Only states given to ``register_state`` are restored."""
+        answers brings it back. Only states given to ``register_state`` are restored.
+
+        Args:
+            restart: replace a failed worker's process.
+            max_restarts: the most restarts per worker.
+            delay_s: seconds between a failure and its restart.
+            health_probe_timeout_s: seconds a probe waits.
+            ignore_failures: leave failed workers out instead of raising.
+
+        Returns:
+            The policy.
+        """
         return cls(
             max_restarts_per_worker=max_restarts if restart else 0,
             max_restarts_total=None if restart else 0,
@@ -166,6 +184,9 @@ class RestartPolicy:
 
     @property
     def restarts_enabled(self) -> bool:
+        """Whether this policy restarts any worker.
+
+        """
         return self.max_restarts_per_worker > 0 and self.max_restarts_total != 0
 
 

@@ -75,6 +75,11 @@ class HangReport:
     path: str = ""
 
     def text(self) -> str:
+        """The report as text: the call, the ranks still running and their stacks.
+
+        Returns:
+            The text.
+        """
         lines = [
             f"phalanx hang report: {self.group}.{self.method}() still running after "
             f"{self.elapsed_s:.1f}s on ranks {self.pending_ranks}",
@@ -91,7 +96,14 @@ class HangReport:
         return "\n".join(lines) + "\n"
 
     def innermost(self, rank: int) -> str:
-        """The innermost frame of the thread running the call (best guess), as text."""
+        """The innermost frame of the thread running the call (best guess), as text.
+
+        Args:
+            rank: the rank.
+
+        Returns:
+            ``function (file:line)``, or ``""`` if unknown.
+        """
         stack = self.stacks.get(rank, "")
         best = ""
         if stack.startswith("(py-spy)"):
@@ -112,6 +124,14 @@ class HangReport:
         return best
 
     def write(self, directory: str | None = None) -> str:
+        """Write the report to a new file in ``directory``.
+
+        Args:
+            directory: where (the hang-report directory if None).
+
+        Returns:
+            The file's path.
+        """
         directory = directory or hang_dir()
         os.makedirs(directory, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -342,6 +362,11 @@ class Watchdog:
         self._thread.start()
 
     def track(self, handle: Watched) -> None:
+        """Watch ``handle`` from now on.
+
+        Args:
+            handle: the call's handle.
+        """
         with self._lock:
             self._calls.append((time.monotonic(), handle))
 

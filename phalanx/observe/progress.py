@@ -179,7 +179,17 @@ class Progress:
         *,
         advance: int | float | None = None,
     ) -> None:
-        """Set (``completed``) or advance (``advance``) the count; show ``stats``."""
+        """Set (``completed``) or advance (``advance``) the count; show ``stats``.
+
+        Args:
+            completed: the new count.
+            stats: values to show beside the bar.
+            advance: add this to the count.
+
+        Raises:
+            ValueError: both ``completed`` and ``advance`` are given.
+            TypeError: ``stats`` is not a mapping.
+        """
         if completed is not None and advance is not None:
             raise ValueError("give completed or advance, not both")
         if stats is not None and not isinstance(stats, Mapping):
@@ -203,7 +213,17 @@ class Progress:
 
     @contextmanager
     def waiting(self, what: str) -> Iterator[None]:
-        """Show "waiting for ``what``" (with its elapsed time) while the block runs."""
+        """Show "waiting for ``what``" (with its elapsed time) while the block runs.
+
+        Args:
+            what: what is waited for.
+
+        Yields:
+            Nothing; the display shows the wait while the block runs.
+
+        Raises:
+            ValueError: ``what`` is not a non-empty string.
+        """
         if not isinstance(what, str) or not what:
             raise ValueError(f"what must be a non-empty string, got {what!r}")
         previous, previous_since = self._waiting, self._wait_since
@@ -219,7 +239,11 @@ class Progress:
         return self._waiting
 
     def log(self, message: str) -> None:
-        """Print a message above the live display (or as a line)."""
+        """Print a message above the live display (or as a line).
+
+        Args:
+            message: the text.
+        """
         if self.enabled and not self._closed:
             self.console.print(message, highlight=False)
 

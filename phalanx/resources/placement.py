@@ -57,6 +57,17 @@ class Placement:
     """Base class: ``slots(cluster)`` returns one ``WorkerSlot`` per rank."""
 
     def slots(self, cluster: Cluster) -> list[WorkerSlot]:
+        """One ``WorkerSlot`` per rank on ``cluster``.
+
+        Args:
+            cluster: the cluster to place on.
+
+        Returns:
+            The slots, in rank order.
+
+        Raises:
+            ValueError: the cluster cannot hold the placement.
+        """
         raise NotImplementedError(f"{type(self).__name__} must implement slots(cluster)")
 
 
@@ -157,6 +168,11 @@ class PackedPlacement(Placement):
         self.num_cpus, self.isolate_gpu = num_cpus, isolate_gpu
 
     def devices_per_rank(self) -> list[list[int]]:
+        """The global devices of each rank, in rank order.
+
+        Returns:
+            A list of device lists.
+        """
         out = []
         block = self.num_devices_per_process * self.stride
         for base in range(self.start_device, self.end_device + 1, block):
@@ -167,6 +183,17 @@ class PackedPlacement(Placement):
         return out
 
     def slots(self, cluster: Cluster) -> list[WorkerSlot]:
+        """One slot per rank of ``devices_per_rank``.
+
+        Args:
+            cluster: the cluster to place on.
+
+        Returns:
+            The slots, in rank order.
+
+        Raises:
+            ValueError: a device is not on the cluster.
+        """
         return _device_slots(
             cluster, self.devices_per_rank(), self.num_cpus, self.isolate_gpu, "PackedPlacement"
         )
@@ -197,6 +224,17 @@ class FlexiblePlacement(Placement):
         self.num_cpus, self.isolate_gpu = num_cpus, isolate_gpu
 
     def slots(self, cluster: Cluster) -> list[WorkerSlot]:
+        """One slot per entry of ``devices_per_process``.
+
+        Args:
+            cluster: the cluster to place on.
+
+        Returns:
+            The slots, in rank order.
+
+        Raises:
+            ValueError: a device is not on the cluster.
+        """
         return _device_slots(
             cluster, self.devices_per_process, self.num_cpus, self.isolate_gpu, "FlexiblePlacement"
         )
@@ -223,6 +261,17 @@ class NodePlacement(Placement):
         self.num_workers, self.node_ranks, self.num_cpus = num_workers, node_ranks, num_cpus
 
     def slots(self, cluster: Cluster) -> list[WorkerSlot]:
+        """``num_workers`` CPU workers spread over ``node_ranks`` (every node if None).
+
+        Args:
+            cluster: the cluster to place on.
+
+        Returns:
+            The slots, in rank order.
+
+        Raises:
+            ValueError: ``node_ranks`` is empty or names a node the cluster lacks.
+        """
         node_ranks = (
             list(range(cluster.num_nodes)) if self.node_ranks is None else list(self.node_ranks)
         )

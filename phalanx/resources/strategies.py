@@ -84,10 +84,33 @@ class PlacementStrategy(Placement):
     def get_placement(
         self, cluster: Cluster, isolate_accelerator: bool = True
     ) -> list[RankPlacement]:
+        """Where each rank goes (RLinf's ``get_placement``).
+
+        Args:
+            cluster: the cluster to place on.
+            isolate_accelerator: each rank sees only its own accelerators.
+
+        Returns:
+            One ``RankPlacement`` per rank.
+
+        Raises:
+            PlacementError: the cluster cannot hold the placement.
+        """
         raise NotImplementedError(f"{type(self).__name__} must implement get_placement")
 
     def slots(self, cluster: Cluster, isolate_accelerator: bool = True) -> list[WorkerSlot]:
-        """The placements as phalanx worker slots (no GPU reserved in Ray, as in RLinf)."""
+        """The placements as phalanx worker slots (no GPU reserved in Ray, as in RLinf).
+
+        Args:
+            cluster: the cluster to place on.
+            isolate_accelerator: each rank sees only its own accelerators.
+
+        Returns:
+            The slots, in rank order.
+
+        Raises:
+            PlacementError: the cluster cannot hold the placement.
+        """
         out = []
         for p in self.get_placement(cluster, isolate_accelerator):
             node = cluster.node(p.cluster_node_rank)
@@ -208,6 +231,19 @@ class PackedPlacementStrategy(PlacementStrategy):
     def get_placement(
         self, cluster: Cluster, isolate_accelerator: bool = True
     ) -> list[RankPlacement]:
+        """Ranks packed over the hardware range, ``num_hardware_per_process`` each.
+
+        Args:
+            cluster: the cluster to place on.
+            isolate_accelerator: each rank sees only its own accelerators.
+
+        Returns:
+            One ``RankPlacement`` per rank.
+
+        Raises:
+            PlacementError: the range exceeds the cluster's accelerators or a process's
+                accelerators span nodes.
+        """
         table = _hardware_map(cluster, "PackedPlacementStrategy")
         if self._end_hw_rank >= len(table):
             raise PlacementError(
@@ -277,6 +313,19 @@ class FlexiblePlacementStrategy(PlacementStrategy):
     def get_placement(
         self, cluster: Cluster, isolate_accelerator: bool = True
     ) -> list[RankPlacement]:
+        """One rank per list of hardware ranks, ordered by its first one.
+
+        Args:
+            cluster: the cluster to place on.
+            isolate_accelerator: each rank sees only its own accelerators.
+
+        Returns:
+            One ``RankPlacement`` per rank.
+
+        Raises:
+            PlacementError: a hardware rank is out of range, repeated, or a process's ranks
+                span nodes.
+        """
         table = _hardware_map(cluster, "FlexiblePlacementStrategy")
         per_process = []
         for ranks in self._hardware_ranks_list:
@@ -325,6 +374,18 @@ class NodePlacementStrategy(PlacementStrategy):
     def get_placement(
         self, cluster: Cluster, isolate_accelerator: bool = True
     ) -> list[RankPlacement]:
+        """One rank per entry of ``node_ranks``, seeing every accelerator of its node.
+
+        Args:
+            cluster: the cluster to place on.
+            isolate_accelerator: each rank sees only its own accelerators.
+
+        Returns:
+            One ``RankPlacement`` per rank.
+
+        Raises:
+            PlacementIndexError: a node rank is out of range.
+        """
         for r in self._node_ranks:
             if not 0 <= r < cluster.num_nodes:
                 raise PlacementIndexError(
