@@ -32,7 +32,7 @@ from typing import Any
 import gymnasium as gym
 import torch
 
-from phalanx._base.checks import check_int, check_timeout
+from phalanx._base.checks import check_int, check_ranks, check_timeout
 from phalanx._base.errors import WorkerDiedError, WorkerError
 from phalanx.envs.config import EnvContext, EnvRunnerGroupConfig
 from phalanx.envs.env_runner import EnvCreator, EnvRunner, check_env_id, check_spaces, make_env
@@ -287,10 +287,8 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
             return None
         if isinstance(worker_ids, int):
             worker_ids = [worker_ids]
-        n = self.num_remote_workers()
-        for i in worker_ids:  # 0 is the local runner
-            check_int(i, f"{arg} (remote env runner ids are 1..{n})", minimum=1, maximum=n)
-        return [self._active[i - 1] for i in worker_ids]
+        ids = check_ranks(worker_ids, self.num_remote_workers(), arg, repeats="allow", first=1)
+        return [self._active[i - 1] for i in ids]
 
     # ------------------------------------------------------------------ counts and health
     @property

@@ -38,7 +38,7 @@ from typing import Any
 
 import ray
 
-from phalanx._base.checks import check_int, check_number, check_timeout
+from phalanx._base.checks import check_int, check_number, check_ranks, check_timeout
 from phalanx.group import dispatch
 from phalanx.group import hang as _hang
 from phalanx.group.collect import Collector
@@ -648,7 +648,7 @@ class WorkerGroup(NemoFace, RllibFace):
 
     def _check_ranks(self, ranks: Any, arg: str) -> list[int]:
         self._check_live()
-        return dispatch.check_ranks(ranks, self.world_size, arg)
+        return check_ranks(ranks, self.world_size, arg, repeats="allow")
 
     # ------------------------------------------------------------------ health
     @property

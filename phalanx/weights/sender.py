@@ -460,7 +460,7 @@ class WeightSender:
             )
         if not ids:
             raise ValueError("worker_ids is an empty list")
-        return check_ranks(dict.fromkeys(ids), n, "worker_ids")
+        return check_ranks(ids, n, "worker_ids", repeats="merge")
 
     def _strict(self, strict: Any) -> bool:
         if strict is not None and not isinstance(strict, bool):
