@@ -4,8 +4,10 @@ The rule, checked over ``phalanx.__all__`` (functions, classes, and the public m
 of each class and of the phalanx classes it inherits from):
 
 - each parameter other than ``self``/``cls`` and private ``_name`` ones is named under
-  ``Args:`` (a constructor's under the class's or ``__init__``'s ``Args:``, or, for a
-  dataclass's fields, ``Attributes:``); ``*args`` and ``**kwargs`` may share one entry;
+  ``Args:`` (a constructor's under ``Args:`` of the class, of ``__init__`` or of the class
+  that defines ``__init__``; a dataclass's fields under ``Attributes:`` or each by the
+  string below it, the attribute docstring that ``tyro`` shows in ``--help``); ``*args``
+  and ``**kwargs`` may share one entry;
 - a function annotated to return something other than ``None``, or whose body returns a
   value, has ``Returns:`` (``Yields:`` for a generator);
 - a public property has a docstring.
@@ -113,13 +115,36 @@ def _problems(name: str, func: Callable[..., Any], doc: str | None, args_doc: li
     return problems
 
 
+def _field_docstrings(cls: type) -> list[str]:
+    """The fields of a dataclass that have a string literal right below them."""
+    if not dataclasses.is_dataclass(cls):
+        return []
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return [
+        node.target.id
+        for node, after in zip(body, body[1:])
+        if isinstance(node, ast.AnnAssign)
+        and isinstance(node.target, ast.Name)
+        and isinstance(after, ast.Expr)
+        and isinstance(after.value, ast.Constant)
+        and isinstance(after.value.value, str)
+    ]
+
+
 def _class_problems(name: str, cls: type) -> list[str]:
     """What the constructor and the public methods and properties of ``cls`` lack."""
     problems: list[str] = []
     class_sections = _sections(cls.__doc__)
     init = cls.__init__
     if getattr(init, "__module__", "").startswith("phalanx") or dataclasses.is_dataclass(cls):
-        documented = class_sections.get("Args", []) + class_sections.get("Attributes", [])
+        owner = next(k for k in cls.__mro__ if "__init__" in vars(k))
+        owner_sections = _sections(owner.__doc__)
+        documented = (
+            class_sections.get("Args", [])
+            + owner_sections.get("Args", [])
+            + class_sections.get("Attributes", [])
+            + _field_docstrings(cls)
+        )
         problems += [
             p for p in _problems(f"{name}()", init, init.__doc__, documented) if "Returns" not in p
         ]

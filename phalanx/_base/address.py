@@ -7,6 +7,10 @@ class WorkerAddress:
     """A root group name plus a path of ranks, e.g. ``learner:0`` or ``learner:0:2``.
 
     Any worker can name any other worker by its address, across groups.
+
+    Args:
+        root_group_name: the root group's name.
+        ranks: the path of ranks below it.
     """
 
     __slots__ = ("root_group_name", "rank_path")

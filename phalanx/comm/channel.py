@@ -415,6 +415,10 @@ class Channel:
 
     Create with ``Channel.create(name, node_rank=0, maxsize=0)`` (or a worker's
     ``self.create_channel``), connect with ``Channel.connect(name)``.
+
+    Args:
+        name: the channel's name.
+        maxsize: the most items one key holds (0: unbounded).
     """
 
     def __init__(self, name: str, maxsize: int):

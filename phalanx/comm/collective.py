@@ -33,7 +33,14 @@ _lock = threading.Lock()
 
 @dataclass
 class CollectiveGroup:
-    """A torch process group over named workers; ``pg`` is usable with ``torch.distributed``."""
+    """A torch process group over named workers; ``pg`` is usable with ``torch.distributed``.
+
+    Attributes:
+        members: the members' worker names, in collective-rank order.
+        rank: this process's collective rank.
+        backend: ``"gloo"`` or ``"nccl"``.
+        pg: the torch process group.
+    """
 
     members: tuple[str, ...]
     rank: int

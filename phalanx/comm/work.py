@@ -19,6 +19,11 @@ class Work:
     """Handle of one asynchronous send, receive or channel operation.
 
     Messages between one pair of workers complete in the order they were posted.
+
+    Args:
+        what: the operation's description, for errors.
+        future: the future it completes (a new one if None).
+        post: applied to the result before ``wait`` returns it.
     """
 
     __slots__ = ("_future", "_what", "_post")

@@ -146,6 +146,20 @@ class BatchedDataDict(dict, Generic[DictT]):
     batch, ``[start, end]`` rows relative to that global batch), ``micro_batch_lengths``
     (per global batch, the padded or packed token length of each micro-batch) and
     ``elem_counts_per_gb`` (rows per global batch); elsewhere they are None.
+
+    Args:
+        *args, **kwargs: as for ``dict``: the columns.
+
+    Example:
+        >>> import torch
+        >>> from phalanx import BatchedDataDict
+        >>> batch = BatchedDataDict(ids=torch.arange(8).reshape(4, 2), reward=[0.0, 1.0, 0.5, 1.0])
+        >>> batch.size
+        4
+        >>> [shard["reward"] for shard in batch.shard_by_batch_size(2)]
+        [[0.0, 1.0], [0.5, 1.0]]
+        >>> batch.select_indices([3, 0])["ids"].tolist()
+        [[6, 7], [0, 1]]
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:

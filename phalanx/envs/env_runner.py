@@ -145,6 +145,14 @@ class EnvRunner(Worker):
     ``EnvRunner(config, env_creator=None, validate_env=None, default_policy_class=None,
     worker_index=None)``. ``worker_index`` is RLlib's: 0 for the local runner, else
     ``rank + 1`` (the default inside a group).
+
+    Args:
+        config: the group's config.
+        env_creator: builds one env from an ``EnvContext`` (``gymnasium.make(config.env)``
+            if None).
+        validate_env: called with each new env; raises to refuse it.
+        default_policy_class: the default policy's module class.
+        worker_index: the runner's id.
     """
 
     read_only_weights = True  # inference only: same-node sends give it views, not copies

@@ -66,6 +66,34 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
     ``config`` is an :class:`EnvRunnerGroupConfig` (or a dict of its fields);
     ``num_env_runners=None`` takes the config's. ``cluster`` and ``name`` choose where the
     remote runners start and the group's name. Bad options raise before any worker starts.
+
+    Args:
+        env_creator: builds one env from an ``EnvContext``.
+        validate_env: called with each new env; raises to refuse it.
+        default_policy_class: the default policy's module class.
+        config: the config.
+        num_env_runners: remote runners (the config's if None).
+        local_env_runner: build a local runner too.
+        logdir: accepted for RLlib's signature.
+        tune_trial_id: accepted for RLlib's signature.
+        num_workers: RLlib's older name of ``num_env_runners`` (-1: not given).
+        local_worker: RLlib's older name of ``local_env_runner`` (-1: not given).
+        cluster: the cluster to start the runners on (the current Ray if None).
+        name: the runners' group name.
+
+    Raises:
+        ValueError: an option is out of range or unknown.
+        TypeError: an option has the wrong type.
+
+    Example:
+        >>> import phalanx as px
+        >>> cluster = px.Cluster()
+        >>> runners = px.EnvRunnerGroup(
+        ...     config={"env": "CartPole-v1", "num_env_runners": 2, "rollout_fragment_length": 8},
+        ...     local_env_runner=False, cluster=cluster, name="example_runners")
+        >>> [batch["rewards"].shape for batch in runners.sample()]
+        [(8, 1), (8, 1)]
+        >>> runners.stop()
     """
 
     def __init__(

@@ -83,6 +83,12 @@ class GroupHandle:
 
     ``wait()`` returns one result per called rank, in rank order (without the ranks in
     ``skipped``: left out because they were dead, with ``ignore_failures``).
+
+    Args:
+        group: the group that made the call.
+        method: the method's name.
+        ranks: the called ranks.
+        refs: one Ray ref (or generator) per called rank.
     """
 
     __slots__ = ("group", "method", "ranks", "refs", "skipped", "_durations")
@@ -185,6 +191,12 @@ class MultiWorkerFuture:
 
     ``method`` names the call in errors (set by the group; for a future built from bare
     refs the group looks it up).
+
+    Attributes:
+        futures: one Ray ref per called worker.
+        return_from_workers: the workers whose results ``get_results`` returns (all if None).
+        called_workers: the workers called, in the order of ``futures``.
+        method: the method's name.
     """
 
     futures: list[Any]

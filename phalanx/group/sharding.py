@@ -24,6 +24,13 @@ class NamedSharding:
     Example: ``NamedSharding([[0, 1], [2, 3]], ["dp", "tp"])`` is DP=2 x TP=2; rank 3 sits
     at ``{"dp": 1, "tp": 1}`` and ``get_ranks(dp=1)`` is the 1-D sharding of ranks
     ``[2, 3]`` on axis ``tp``, as in NeMo-RL.
+
+    Args:
+        layout: a nested list (or array) of the ranks, one dimension per axis.
+        names: the axes' names.
+
+    Raises:
+        ValueError: the names do not match the layout's dimensions, or ranks repeat.
     """
 
     def __init__(self, layout: Sequence[Any] | np.ndarray, names: Sequence[str]) -> None:

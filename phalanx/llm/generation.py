@@ -105,6 +105,10 @@ class HFGenerationWorker(Worker, GenerationInterface):
     ``read_only_weights`` receiver: on CPU, on the sender's node, a refit makes its
     parameters views of the sender's shared buffer (switched between calls), so it keeps
     no copy of its own; on GPU or another node it copies.
+
+    Args:
+        config: the generation config, as above.
+        tokenizer: the model's tokenizer.
     """
 
     read_only_weights = True  # inference only: same-node sends give it views, not copies

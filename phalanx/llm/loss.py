@@ -145,6 +145,9 @@ class ClippedPGLossFn:
     Per token: ``max(-A r, -A clip(r, 1-eps_lo, 1+eps_hi)) + beta * k3`` where
     ``r = exp(logp - prev_logp)`` and ``k3 = exp(ref - logp) - (ref - logp) - 1``
     (Schulman's unbiased, always non-negative estimator of KL(pi || ref)).
+
+    Args:
+        cfg: a ``ClippedPGLossConfig`` or a dict of its fields (the defaults if None).
     """
 
     loss_type = LossType.TOKEN_LEVEL

@@ -64,6 +64,27 @@ class Policy:
     ``cluster`` is a ``RayVirtualCluster`` (one worker per bundle, NeMo-RL style) or a
     ``px.Cluster`` (``num_workers`` workers placed with ``NodePlacement``). The data-parallel
     size is the number of workers / (tensor_parallel_size x context_parallel_size).
+
+    Args:
+        cluster: a ``RayVirtualCluster`` or a ``Cluster``.
+        config: NeMo-RL's policy config.
+        tokenizer: the model's tokenizer.
+        name_prefix: the workers' group name.
+        workers_per_node: workers per node on a ``RayVirtualCluster``.
+        init_optimizer: build the optimizer.
+        weights_path: a checkpoint to load the weights from.
+        optimizer_path: a checkpoint to load the optimizer's state from.
+        init_reference_model: keep the initial weights as the reference policy.
+        processor: a multimodal processor (not supported).
+        num_workers: workers on a ``Cluster`` (1 if None).
+        num_cpus_per_worker: CPUs each worker reserves.
+        timeout_s: seconds a call may take.
+
+    Raises:
+        ConfigError: the config is invalid, the model path does not exist, or a
+            ``processor`` is given.
+        ValueError: an option is out of range.
+        TypeError: ``cluster`` has the wrong type.
     """
 
     def __init__(

@@ -84,7 +84,20 @@ _PG_TIMEOUT = timedelta(seconds=PG_TIMEOUT_S)
 
 
 class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
-    """One rank of an FSDP2-sharded policy (NeMo-RL's ``DTensorPolicyWorker``)."""
+    """One rank of an FSDP2-sharded policy (NeMo-RL's ``DTensorPolicyWorker``).
+
+    Args:
+        config: NeMo-RL's policy config (``model_name``, batch sizes, ``dtensor_cfg``, ...).
+        tokenizer: the model's tokenizer.
+        weights_path: a checkpoint to load the weights from.
+        optimizer_path: a checkpoint to load the optimizer's state from.
+        init_optimizer: build the optimizer (False for inference only).
+        init_reference_model: keep the initial weights as the reference policy.
+        **kwargs: NeMo-RL's other keywords, accepted and unused.
+
+    Raises:
+        ConfigError: the config asks for what this worker does not support.
+    """
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}[rank={self.rank}]"

@@ -68,6 +68,13 @@ class Refitter:
 
     ``timeout_s`` bounds each driver-side wait; ``peer_timeout_s`` bounds each operation of
     the collective refit group, i.e. how long its members wait for a peer that is gone.
+
+    Args:
+        policy: the ``Policy`` whose weights are sent.
+        generation: the group of generation workers.
+        transport: ``"ipc"``, ``"shm"``, ``"cuda_ipc"``, ``"collective"`` or ``"object_store"``.
+        timeout_s: as above.
+        peer_timeout_s: as above.
     """
 
     def __init__(

@@ -115,6 +115,13 @@ class MetricsLogger:
     ``use_tensorboard=None`` means "when the tensorboard package is installed";
     ``use_wandb=True`` logs to W&B when ``wandb`` is installed (a warning otherwise).
     Use as a context manager or call ``close()``. ``backends`` lists what is active.
+
+    Args:
+        run_dir: the run's directory (made if missing).
+        use_tensorboard: write TensorBoard event files too.
+        use_wandb: log to W&B too.
+        config: the run's configuration, written to ``config.json``.
+        wandb_project: the W&B project.
     """
 
     def __init__(

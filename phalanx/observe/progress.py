@@ -106,6 +106,16 @@ class Progress:
     ``total`` may be None (no bar, a counter). ``start`` is where a resumed run begins.
     ``keys`` picks the stats shown (default: the standard keys of ``phalanx.observe.metrics``).
     Closes itself when ``completed`` reaches ``total``.
+
+    Args:
+        total: the count at the end (None: a counter without a bar).
+        start: the count to start from.
+        title: the display's title.
+        unit: what is counted.
+        keys: the stats shown.
+        enabled: show anything at all (None: when the output is a terminal or a log).
+        console: the ``rich`` console to draw on.
+        log_interval_s: seconds between lines when the output is not a terminal.
     """
 
     def __init__(

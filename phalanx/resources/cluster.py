@@ -29,7 +29,16 @@ _issued_ports: set[tuple[str, int]] = set()
 
 @dataclass(frozen=True)
 class NodeInfo:
-    """One Ray node as phalanx sees it."""
+    """One Ray node as phalanx sees it.
+
+    Attributes:
+        node_rank: the node's rank (the driver's node is 0).
+        node_id: its Ray node id.
+        ip: its IP address.
+        num_cpus: its logical CPUs.
+        num_gpus: its GPUs.
+        is_driver_node: whether the driver runs on it.
+    """
 
     node_rank: int
     node_id: str
@@ -60,7 +69,8 @@ class Cluster:
     Args:
         num_nodes: wait (up to ``timeout_s``) until at least this many nodes are alive.
         address: a Ray address to join; ``None`` uses ``RAY_ADDRESS`` or starts Ray locally.
-        num_cpus / num_gpus: logical resources of an embedded Ray (ignored when joining).
+        num_cpus, num_gpus: logical resources of an embedded Ray (ignored when joining).
+        **ray_init_kwargs: more keyword arguments of ``ray.init``.
         timeout_s: how long to wait for ``num_nodes`` nodes.
 
     Ray's own start-up failures on a busy machine are retried for up to

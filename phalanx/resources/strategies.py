@@ -61,7 +61,21 @@ class PlacementIndexError(PlacementError, IndexError):
 @dataclass
 class RankPlacement:
     """Where one rank goes: RLinf's ``Placement`` record (phalanx's ``Placement`` is the
-    strategy base class, hence the different name)."""
+    strategy base class, hence the different name).
+
+    Attributes:
+        rank: the process's rank.
+        cluster_node_rank: its node's rank in the cluster.
+        placement_node_rank: its node's rank among the nodes this placement uses.
+        local_accelerator_rank: its first accelerator on its node (-1: none).
+        accelerator_type: the accelerator's type.
+        local_rank: its rank among the processes on its node.
+        local_world_size: the processes on its node.
+        visible_accelerators: the accelerators it sees.
+        isolate_accelerator: whether it sees only its own accelerators.
+        local_hardware_ranks: its accelerators on its node.
+        node_group_label: RLinf's node group.
+    """
 
     rank: int
     cluster_node_rank: int
@@ -192,7 +206,15 @@ def _device_placement(
 
 
 class PackedPlacementStrategy(PlacementStrategy):
-    """Processes packed over global accelerator ranks ``start..end`` (inclusive)."""
+    """Processes packed over global accelerator ranks ``start..end`` (inclusive).
+
+    Args:
+        start_hardware_rank: the first global accelerator.
+        end_hardware_rank: the last global accelerator (inclusive).
+        num_hardware_per_process: accelerators per process.
+        stride: the stride, as for ``PackedPlacement``.
+        node_group: RLinf's node group (only the default group is supported).
+    """
 
     def __init__(
         self,
@@ -287,6 +309,10 @@ class FlexiblePlacementStrategy(PlacementStrategy):
 
     Ranks are sorted within each process and processes are ordered by their first rank
     (so rank 0 is the process holding the lowest device), as RLinf does.
+
+    Args:
+        hardware_ranks_list: the global hardware ranks of each process.
+        node_group_label: RLinf's node group (only the default group is supported).
     """
 
     def __init__(
@@ -358,7 +384,12 @@ class FlexiblePlacementStrategy(PlacementStrategy):
 
 
 class NodePlacementStrategy(PlacementStrategy):
-    """One process per entry of ``node_ranks`` (sorted), seeing all GPUs of its node."""
+    """One process per entry of ``node_ranks`` (sorted), seeing all GPUs of its node.
+
+    Args:
+        node_ranks: one node rank per process.
+        node_group_label: RLinf's node group (only the default group is supported).
+    """
 
     def __init__(self, node_ranks: list[int], node_group_label: str | None = None):
         if node_group_label not in RESERVED_NODE_GROUPS:

@@ -26,7 +26,25 @@ logger = logging.getLogger(__name__)
 
 
 class RayVirtualCluster:
-    """Bundles on Ray placement groups, one group per node entry or one unified group."""
+    """Bundles on Ray placement groups, one group per node entry or one unified group.
+
+    Args:
+        bundle_ct_per_node_list: bundles per node.
+        use_gpus: each bundle holds a GPU.
+        max_colocated_worker_groups: groups that share one bundle (a GPU's fraction each).
+        num_gpus_per_node: GPUs per node.
+        name: the placement groups' name prefix.
+        placement_group_strategy: Ray's strategy (``"SPREAD"``, ``"PACK"``, ...).
+        port_range_low: the lowest port handed out.
+        port_range_high: one past the highest port handed out.
+        use_unified_pg: one placement group over all nodes.
+        num_cpus_per_bundle: CPUs per bundle.
+        ready_timeout_s: seconds the placement groups may take to be ready.
+        cluster: the ``Cluster`` (the current Ray if None).
+
+    Raises:
+        ValueError: ``bundle_ct_per_node_list`` is empty or an option is out of range.
+    """
 
     def __init__(
         self,

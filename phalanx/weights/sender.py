@@ -59,7 +59,19 @@ _LATE = "did not apply within"  # a worker still busy: no re-send, it may yet ap
 
 @dataclass
 class SyncResult:
-    """What one send did: who applied, who ignored it (not newer), who failed and why."""
+    """What one send did: who applied, who ignored it (not newer), who failed and why.
+
+    Attributes:
+        version: the send's version.
+        applied: the ranks that applied it.
+        ignored: the ranks that held a newer version.
+        failed: each failed rank's error.
+        timings: seconds per phase (``gather``, ``pack``, ``transfer``, ``apply``, ``total``).
+        transport: the transport asked for.
+        routes: the path each rank's bytes took: ``"shm"``, ``"shm_view"``, ``"cuda_ipc"``,
+            ``"object_store"`` or ``"collective"``.
+        missing: each rank's names not sent (a partial version, ``strict=False``).
+    """
 
     version: int
     applied: list[int] = field(default_factory=list)

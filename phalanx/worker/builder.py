@@ -399,7 +399,12 @@ class _Initializer:
 
 
 class RayWorkerBuilder:
-    """A worker class (or ``"pkg.module.Class"``) plus its ``__init__`` arguments."""
+    """A worker class (or ``"pkg.module.Class"``) plus its ``__init__`` arguments.
+
+    Args:
+        ray_actor_class_fqn: the worker class, or its ``"pkg.module.Class"`` path.
+        *args, **kwargs: the worker's ``__init__`` arguments.
+    """
 
     IsolatedWorkerInitializer = ray.remote(num_cpus=0)(_Initializer)
 

@@ -39,7 +39,19 @@ __all__ = [
 
 @dataclass
 class WorkerInfo:
-    """Runtime facts about one worker (RLinf's ``WorkerInfo``)."""
+    """Runtime facts about one worker (RLinf's ``WorkerInfo``).
+
+    Attributes:
+        address: its ``WorkerAddress``.
+        rank: its rank.
+        node_id: its node's rank.
+        gpu_id: its first GPU, or None.
+        node_ip: its node's IP address.
+        available_gpus: the GPUs it sees.
+        local_rank: its rank on its node.
+        world_size: its group's size.
+        ray_node_id: its Ray node id.
+    """
 
     address: WorkerAddress
     rank: int
@@ -101,6 +113,15 @@ class Worker(CommMixin, WeightsReceiverMixin, ContextBound):
 
     Subclass it, then ``MyWorker.create_group(*init_args).launch(cluster, placement, name)``.
     Constructed outside a group (e.g. in a unit test), it behaves as rank 0 of 1.
+
+    Args:
+        *args, **kwargs: a subclass's own arguments.
+
+    Example:
+        >>> import phalanx as px
+        >>> worker = px.Worker()
+        >>> (worker.rank, worker.world_size, worker.get_name())
+        (0, 1, 'local_Worker:0')
     """
 
     timer = staticmethod(timer)
