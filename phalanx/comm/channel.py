@@ -419,6 +419,15 @@ class Channel:
     Args:
         name: the channel's name.
         maxsize: the most items one key holds (0: unbounded).
+
+    Example:
+        >>> import phalanx as px
+        >>> cluster = px.Cluster()
+        >>> channel = px.create_channel("example_channel", maxsize=4)
+        >>> channel.put({"step": 1})
+        >>> px.connect_channel("example_channel").get()
+        {'step': 1}
+        >>> channel.close()
     """
 
     def __init__(self, name: str, maxsize: int):
@@ -763,14 +772,6 @@ def create_channel(
         ValueError: both ``channel_name`` and ``name`` are given, or a channel of that
             name exists.
         NotImplementedError: ``distributed`` or ``local`` is True.
-
-    Example:
-        >>> import phalanx as px
-        >>> cluster = px.Cluster()
-        >>> channel = px.create_channel("example_channel", maxsize=4)
-        >>> channel.put({"step": 1})
-        >>> px.connect_channel("example_channel").get()
-        {'step': 1}
     """
     return Channel.create(
         _channel_name(channel_name, name),

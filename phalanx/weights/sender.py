@@ -148,10 +148,19 @@ class WeightSender:
         ValueError: the group is not launched, or an argument is out of range.
 
     Example:
-        >>> import torch, phalanx as px
-        >>> group = px.WorkerGroup(px.Worker, num_workers=2).launch()  # doctest: +SKIP
-        >>> sender = px.WeightSender(group, torch.nn.Linear(4, 4))  # doctest: +SKIP
-        >>> sender.send().ok  # doctest: +SKIP
+        >>> import torch
+        >>> import phalanx as px
+        >>> group = px.Worker.create_group().launch(
+        ...     px.Cluster(), px.NodePlacement(num_workers=2), name="example_receivers")
+        >>> def give_model(worker):
+        ...     worker.model = torch.nn.Linear(4, 4)
+        >>> _ = group.apply(give_model, [(0, (), {}), (1, (), {})]).wait()
+        >>> sender = px.WeightSender(group, torch.nn.Linear(4, 4))
+        >>> result = sender.send()
+        >>> (result.ok, result.applied, result.version)
+        (True, [0, 1], 1)
+        >>> sender.close()
+        >>> group.shutdown()
         True
     """
 
