@@ -30,7 +30,9 @@ import pytest
 
 import phalanx
 
-_SECTION = re.compile(r"^(\s*)(Args|Arguments|Attributes|Returns|Yields|Raises|Example|Examples):\s*$")
+_SECTION = re.compile(
+    r"^(\s*)(Args|Arguments|Attributes|Returns|Yields|Raises|Example|Examples):\s*$"
+)
 _ENTRY = re.compile(r"^(\*{0,2}\w+(?:\s*,\s*\*{0,2}\w+)*)\s*(?:\([^)]*\))?\s*:")
 _NO_VALUE = {"None", "NoReturn", "Never", "typing.NoReturn"}
 
@@ -103,7 +105,9 @@ def _parameters(func: Callable[..., Any]) -> list[str]:
     ]
 
 
-def _problems(name: str, func: Callable[..., Any], doc: str | None, args_doc: list[str]) -> list[str]:
+def _problems(
+    name: str, func: Callable[..., Any], doc: str | None, args_doc: list[str]
+) -> list[str]:
     """What ``func``'s docstring lacks, one line per missing piece."""
     sections = _sections(doc)
     named = set(args_doc) | set(sections.get("Args", [])) | set(sections.get("Arguments", []))

@@ -122,7 +122,9 @@ def check_ranks(
     values = list(values)
     not_int = [v for v in values if not _is_int(v)]
     if not_int:
-        raise TypeError(f"{arg}: ranks must be ints; each rank must be an int rank, got {not_int!r}")
+        raise TypeError(
+            f"{arg}: ranks must be ints; each rank must be an int rank, got {not_int!r}"
+        )
     ranks = [int(v) for v in values]
     bad = [r for r in ranks if not first <= r < first + world_size]
     if bad:

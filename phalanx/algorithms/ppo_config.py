@@ -121,9 +121,7 @@ class PPOConfig:
 
     @property
     def batch_size(self) -> int:
-        """Env steps per iteration: runners x envs per runner x fragment length.
-
-        """
+        """Env steps per iteration: runners x envs per runner x fragment length."""
         runners = max(self.num_env_runners, 1)
         return runners * self.num_envs_per_env_runner * self.rollout_fragment_length
 

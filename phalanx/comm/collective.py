@@ -49,9 +49,7 @@ class CollectiveGroup:
 
     @property
     def world_size(self) -> int:
-        """The number of members.
-
-        """
+        """The number of members."""
         return len(self.members)
 
     def broadcast(self, tensor: Any, src: int = 0) -> Any:

@@ -185,9 +185,7 @@ class RestartPolicy:
 
     @property
     def restarts_enabled(self) -> bool:
-        """Whether this policy restarts any worker.
-
-        """
+        """Whether this policy restarts any worker."""
         return self.max_restarts_per_worker > 0 and self.max_restarts_total != 0
 
 

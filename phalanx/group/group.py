@@ -641,9 +641,7 @@ class WorkerGroup(NemoFace, RllibFace):
 
     @property
     def world_size(self) -> int:
-        """The number of workers in the group.
-
-        """
+        """The number of workers in the group."""
         return len(self._roster.actors)
 
     def _check_ranks(self, ranks: Any, arg: str) -> list[int]:

@@ -76,16 +76,12 @@ class NemoFace:
 
     @property
     def master_address(self) -> str:
-        """The IP address of rank 0, for ``torch.distributed`` rendezvous.
-
-        """
+        """The IP address of rank 0, for ``torch.distributed`` rendezvous."""
         return self._roster.master_address
 
     @property
     def master_port(self) -> int:
-        """A free port on rank 0's node, for ``torch.distributed`` rendezvous.
-
-        """
+        """A free port on rank 0's node, for ``torch.distributed`` rendezvous."""
         return self._roster.master_port
 
     @property

@@ -149,23 +149,17 @@ class Cluster:
 
     @property
     def nodes(self) -> list[NodeInfo]:
-        """The alive nodes, in node-rank order.
-
-        """
+        """The alive nodes, in node-rank order."""
         return list(self._nodes)
 
     @property
     def num_nodes(self) -> int:
-        """The number of alive nodes.
-
-        """
+        """The number of alive nodes."""
         return len(self._nodes)
 
     @property
     def num_gpus(self) -> int:
-        """The GPUs of all nodes.
-
-        """
+        """The GPUs of all nodes."""
         return sum(n.num_gpus for n in self._nodes)
 
     @property

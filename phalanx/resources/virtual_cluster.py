@@ -201,9 +201,7 @@ class RayVirtualCluster:
 
     @property
     def bundle_ct_per_node_list(self) -> list[int]:
-        """Bundles per node, as given.
-
-        """
+        """Bundles per node, as given."""
         return list(self._bundle_ct_per_node_list)
 
     def bundle_node_id(self, pg_idx: int, bundle_idx: int) -> str:

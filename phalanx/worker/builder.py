@@ -427,9 +427,7 @@ class RayWorkerBuilder:
 
     @property
     def class_name(self) -> str:
-        """The worker class's name, without its module.
-
-        """
+        """The worker class's name, without its module."""
         c = self.ray_actor_class_fqn
         if isinstance(c, str):
             return c.rpartition(".")[2]

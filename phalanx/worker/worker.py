@@ -135,16 +135,12 @@ class Worker(CommMixin, WeightsReceiverMixin, ContextBound):
     # -- identity ---------------------------------------------------------------------
     @property
     def rank(self) -> int:
-        """This worker's rank in its group.
-
-        """
+        """This worker's rank in its group."""
         return self._px_ctx.rank
 
     @property
     def world_size(self) -> int:
-        """The number of workers in this worker's group.
-
-        """
+        """The number of workers in this worker's group."""
         return self._px_ctx.world_size
 
     # RLinf spells these with a leading underscore in its examples.
@@ -158,16 +154,12 @@ class Worker(CommMixin, WeightsReceiverMixin, ContextBound):
 
     @property
     def group_name(self) -> str:
-        """The name of this worker's group.
-
-        """
+        """The name of this worker's group."""
         return self._px_ctx.group_name
 
     @property
     def worker_address(self) -> WorkerAddress:
-        """This worker's ``WorkerAddress``.
-
-        """
+        """This worker's ``WorkerAddress``."""
         return WorkerAddress(self._px_ctx.group_name, self._px_ctx.rank)
 
     # RLinf's private spellings of the same facts (its code and tests read them).
@@ -215,9 +207,7 @@ class Worker(CommMixin, WeightsReceiverMixin, ContextBound):
 
     @property
     def worker_info(self) -> WorkerInfo:
-        """This worker's ``WorkerInfo``: address, rank, node, GPUs and node IP.
-
-        """
+        """This worker's ``WorkerInfo``: address, rank, node, GPUs and node IP."""
         ctx = self._px_ctx
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         available = [int(x) for x in visible.split(",") if x.strip().isdigit()]
