@@ -139,11 +139,7 @@ class CommMixin:
 
         Args:
             tensor: the buffer to receive into.
-            src_group_name: the sender's group name, or its ``WorkerAddress``.
-            src_rank: the sender's rank in that group.
-            async_op: return a ``Work`` at once.
-            options: a ``CollectiveGroupOptions``.
-            timeout: seconds to wait (no bound if None).
+            src_group_name, src_rank, async_op, options, timeout: as for ``recv``.
 
         Returns:
             None, or a ``Work`` if ``async_op``.
@@ -200,13 +196,8 @@ class CommMixin:
         """Create a named channel (a FIFO per key) on node rank ``node_rank`` (RLinf's keywords).
 
         Args:
-            channel_name: the channel's name.
-            node_rank: the node that hosts the channel actor.
-            maxsize: the most items one key holds (0: unbounded).
-            distributed: not supported.
-            local: not supported.
-            name: the channel's name, by keyword.
-            node_id: the older name of ``node_rank``.
+            channel_name, node_rank, maxsize: as for ``phalanx.create_channel``.
+            distributed, local, name, node_id: the same.
 
         Returns:
             A handle to the new channel.

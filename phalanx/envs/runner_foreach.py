@@ -225,14 +225,9 @@ class RunnerForeach:
 
         Args:
             func: a function of ``(worker_id, runner)``, or a runner method's name.
-            kwargs: keyword arguments of ``func``.
-            local_env_runner: call the local runner too.
-            healthy_only: call only runners in service.
-            remote_worker_ids: the remote ids (1..n) to call (every runner if None).
-            timeout_seconds: seconds to wait (no bound if None).
-            return_obj_refs: return the ready results' Ray refs.
-            mark_healthy: runners out of service that answer are back in service.
-            local_worker: RLlib's older name of ``local_env_runner``.
+            kwargs, local_env_runner, healthy_only, remote_worker_ids: as for
+                ``foreach_env_runner``.
+            timeout_seconds, return_obj_refs, mark_healthy, local_worker: the same.
 
         Returns:
             The results, the local runner's first.

@@ -176,12 +176,8 @@ class RllibFace:
 
         Args:
             func: a function of ``(worker_id, worker)``, or a list of them.
-            healthy_only: skip workers not healthy.
-            remote_worker_ids: the ranks to call (every rank if None).
-            timeout_seconds: seconds to wait (no bound if None).
-            return_obj_refs: return the finished calls' Ray refs.
-            mark_healthy: unhealthy workers that answer are healthy again.
-            kwargs: keyword arguments of ``func``.
+            healthy_only, remote_worker_ids, timeout_seconds: as for ``foreach_worker``.
+            return_obj_refs, mark_healthy, kwargs: the same.
 
         Returns:
             The results in rank order.
@@ -384,10 +380,8 @@ class RllibFace:
         of the done requests (``.actor_id``, ``.ok``, ``.get()``), errors included.
 
         Args:
-            tags: the tags whose requests to fetch (every tag if None).
-            timeout_seconds: seconds to wait for requests in flight.
-            return_obj_refs: return the results' Ray refs instead of their values.
-            mark_healthy: workers out of service that answered are healthy again.
+            tags, timeout_seconds, return_obj_refs, mark_healthy: as for
+                ``fetch_ready_async_reqs``.
 
         Returns:
             The ``RemoteCallResults`` of the done requests.

@@ -434,10 +434,8 @@ class Policy:
         ``model_save_format`` is an error.
 
         Args:
-            weights_path: the directory for the model's weights.
-            optimizer_path: the directory for the optimizer's state (not saved if None).
-            tokenizer_path: the directory for the tokenizer (not saved if None).
-            checkpointing_cfg: NeMo-RL's checkpointing config.
+            weights_path, optimizer_path, tokenizer_path, checkpointing_cfg: as for
+                ``DTensorPolicyWorker.save_checkpoint``.
 
         Raises:
             ConfigError: ``checkpointing_cfg`` asks for a format this policy does not write.

@@ -219,7 +219,7 @@ class PackedPlacement(Placement):
         """One slot per rank of ``devices_per_rank``.
 
         Args:
-            cluster: the cluster to place on.
+            cluster: as for ``Placement.slots``.
 
         Returns:
             The slots, in rank order.
@@ -266,7 +266,7 @@ class FlexiblePlacement(Placement):
         """One slot per entry of ``devices_per_process``.
 
         Args:
-            cluster: the cluster to place on.
+            cluster: as for ``Placement.slots``.
 
         Returns:
             The slots, in rank order.
@@ -303,7 +303,7 @@ class NodePlacement(Placement):
         """``num_workers`` CPU workers spread over ``node_ranks`` (every node if None).
 
         Args:
-            cluster: the cluster to place on.
+            cluster: as for ``Placement.slots``.
 
         Returns:
             The slots, in rank order.

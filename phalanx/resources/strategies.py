@@ -256,8 +256,7 @@ class PackedPlacementStrategy(PlacementStrategy):
         """Ranks packed over the hardware range, ``num_hardware_per_process`` each.
 
         Args:
-            cluster: the cluster to place on.
-            isolate_accelerator: each rank sees only its own accelerators.
+            cluster, isolate_accelerator: as for ``PlacementStrategy.get_placement``.
 
         Returns:
             One ``RankPlacement`` per rank.
@@ -342,8 +341,7 @@ class FlexiblePlacementStrategy(PlacementStrategy):
         """One rank per list of hardware ranks, ordered by its first one.
 
         Args:
-            cluster: the cluster to place on.
-            isolate_accelerator: each rank sees only its own accelerators.
+            cluster, isolate_accelerator: as for ``PlacementStrategy.get_placement``.
 
         Returns:
             One ``RankPlacement`` per rank.
@@ -408,8 +406,7 @@ class NodePlacementStrategy(PlacementStrategy):
         """One rank per entry of ``node_ranks``, seeing every accelerator of its node.
 
         Args:
-            cluster: the cluster to place on.
-            isolate_accelerator: each rank sees only its own accelerators.
+            cluster, isolate_accelerator: as for ``PlacementStrategy.get_placement``.
 
         Returns:
             One ``RankPlacement`` per rank.
