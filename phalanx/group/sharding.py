@@ -30,7 +30,9 @@ class NamedSharding:
         names: the axes' names.
 
     Raises:
-        ValueError: the names do not match the layout's dimensions, or ranks repeat.
+        ValueError: the layout is not a rectangular array of unique non-negative int
+            ranks, or the names repeat or do not match its dimensions.
+        TypeError: a name is not a non-empty str.
     """
 
     def __init__(self, layout: Sequence[Any] | np.ndarray, names: Sequence[str]) -> None:
