@@ -78,7 +78,8 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         tune_trial_id: accepted for RLlib's signature.
         num_workers: RLlib's older name of ``num_env_runners`` (-1: not given).
         local_worker: RLlib's older name of ``local_env_runner`` (-1: not given).
-        cluster: the cluster to start the runners on (the current Ray if None).
+        cluster: the cluster to start the runners on (if None, ``Cluster()``: the running Ray,
+            or a local one it starts).
         name: the runners' group name.
 
     Raises:

@@ -222,7 +222,8 @@ class WorkerGroup(NemoFace, RllibFace):
         RLinf's default, True); phalanx placements take it when built instead.
 
         Args:
-            cluster: the ``Cluster`` or ``RayVirtualCluster`` to place on (one is started if None).
+            cluster: the ``Cluster`` or ``RayVirtualCluster`` to place on (if None, ``Cluster()``:
+                the running Ray, or a local one it starts).
             placement: how the workers are placed (one per GPU, or one CPU worker per node, if None).
             name: the group's name (derived from the class if None).
             max_concurrency: calls each worker's actor runs at once.

@@ -72,9 +72,13 @@ class Refitter:
     Args:
         policy: the ``Policy`` whose weights are sent.
         generation: the group of generation workers.
-        transport: ``"ipc"``, ``"shm"``, ``"cuda_ipc"``, ``"collective"`` or ``"object_store"``.
+        transport: ``"ipc"`` (``"shm"`` on CPU, ``"cuda_ipc"`` on GPU), ``"shm"``,
+            ``"cuda_ipc"``, ``"collective"``, ``"object_store"`` or ``"auto"``.
         timeout_s: as above.
         peer_timeout_s: as above.
+
+    Raises:
+        ValueError: ``transport`` is not one of those.
     """
 
     def __init__(

@@ -113,7 +113,7 @@ class Progress:
         title: the display's title.
         unit: what is counted.
         keys: the stats shown.
-        enabled: show anything at all (None: when the output is a terminal or a log).
+        enabled: show anything at all (None: unless ``PHALANX_PROGRESS`` is 0, false, no or off).
         console: the ``rich`` console to draw on.
         log_interval_s: seconds between lines when the output is not a terminal.
     """

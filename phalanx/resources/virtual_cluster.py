@@ -40,7 +40,8 @@ class RayVirtualCluster:
         use_unified_pg: one placement group over all nodes.
         num_cpus_per_bundle: CPUs per bundle.
         ready_timeout_s: seconds the placement groups may take to be ready.
-        cluster: the ``Cluster`` (the current Ray if None).
+        cluster: the ``Cluster`` (if None, ``Cluster()``: the running Ray, or a local one it
+            starts).
 
     Raises:
         ValueError: ``bundle_ct_per_node_list`` is empty or an option is out of range.
