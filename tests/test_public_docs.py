@@ -10,7 +10,8 @@ of each class and of the phalanx classes it inherits from):
   and ``**kwargs`` may share one entry;
 - a function annotated to return something other than ``None``, or whose body returns a
   value, has ``Returns:`` (``Yields:`` for a generator);
-- a public property has a docstring.
+- a public property has a docstring;
+- each ``Raises:`` entry names an exception type of Python or of phalanx.
 
 Sections are Google style: a line ``Args:`` and one entry per line below it,
 ``name: text`` or ``name (type): text``.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import re
 import textwrap
@@ -105,6 +107,29 @@ def _parameters(func: Callable[..., Any]) -> list[str]:
     ]
 
 
+@functools.cache
+def _exception_names() -> set[str]:
+    """The names of the exception types of Python and of phalanx (those imported by the
+    first call: ``public_doc_problems`` imports every public name first)."""
+    names, todo = set(), [BaseException]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        if cls.__module__ == "builtins" or cls.__module__.startswith("phalanx"):
+            names.add(cls.__name__)
+    return names
+
+
+def _raises_problems(name: str, doc: str | None) -> list[str]:
+    """``Raises:`` entries of ``doc`` that name no known exception type."""
+    known = _exception_names()
+    return [
+        f"{name}: Raises names {e}, not an exception type"
+        for e in _sections(doc).get("Raises", [])
+        if e not in known
+    ]
+
+
 def _problems(
     name: str, func: Callable[..., Any], doc: str | None, args_doc: list[str]
 ) -> list[str]:
@@ -116,7 +141,7 @@ def _problems(
     returns, generator = _returns_value(func)
     if returns and "Returns" not in sections and not (generator and "Yields" in sections):
         problems.append(f"{name}: no {'Yields' if generator else 'Returns'}")
-    return problems
+    return problems + _raises_problems(name, doc)
 
 
 def _field_docstrings(cls: type) -> list[str]:
@@ -137,7 +162,7 @@ def _field_docstrings(cls: type) -> list[str]:
 
 def _class_problems(name: str, cls: type) -> list[str]:
     """What the constructor and the public methods and properties of ``cls`` lack."""
-    problems: list[str] = []
+    problems = _raises_problems(name, cls.__doc__)
     class_sections = _sections(cls.__doc__)
     init = cls.__init__
     if getattr(init, "__module__", "").startswith("phalanx") or dataclasses.is_dataclass(cls):
@@ -172,10 +197,11 @@ def _class_problems(name: str, cls: type) -> list[str]:
 
 
 def public_doc_problems() -> list[str]:
-    """Every missing Args entry, Returns section and property docstring of the public API."""
+    """Every missing Args entry, Returns section and property docstring of the public API,
+    and every ``Raises:`` entry that names no exception type."""
     problems: list[str] = []
-    for name in sorted(phalanx.__all__):
-        obj = getattr(phalanx, name)
+    public = {name: getattr(phalanx, name) for name in sorted(phalanx.__all__)}
+    for name, obj in public.items():
         if inspect.isclass(obj):
             problems += _class_problems(name, obj)
         elif inspect.isfunction(obj):
@@ -203,3 +229,36 @@ def test_sections_parse_google_style_entries() -> None:
         The result.
     """
     assert _sections(doc) == {"Args": ["weights", "args", "kwargs", "timeout"], "Returns": []}
+
+
+@pytest.mark.timeout(10)
+def test_the_rule_names_what_is_missing() -> None:
+    def f(a: int, b: int, *args: int, _private: int = 0, **kwargs: int) -> int:
+        """Add.
+
+        Args:
+            a: one.
+            *args, **kwargs: more.
+
+        Raises:
+            ValueError: never.
+            NoSuchError: never.
+        """
+        return a + b
+
+    def g(a: int):  # no annotation: the body's return says it returns a value
+        """Twice ``a``.
+
+        Args:
+            a: the number.
+        """
+        if a:
+            return 2 * a
+        return None
+
+    assert _problems("f", f, f.__doc__, []) == [
+        "f: Args lacks b",
+        "f: no Returns",
+        "f: Raises names NoSuchError, not an exception type",
+    ]
+    assert _problems("g", g, g.__doc__, []) == ["g: no Returns"]
