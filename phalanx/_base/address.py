@@ -7,6 +7,10 @@ class WorkerAddress:
     """A root group name plus a path of ranks, e.g. ``learner:0`` or ``learner:0:2``.
 
     Any worker can name any other worker by its address, across groups.
+
+    Args:
+        root_group_name: the root group's name.
+        ranks: the path of ranks below it.
     """
 
     __slots__ = ("root_group_name", "rank_path")
@@ -26,7 +30,17 @@ class WorkerAddress:
 
     @classmethod
     def from_name(cls, name: str) -> WorkerAddress:
-        """Parse ``group:0:1`` back into an address."""
+        """Parse ``group:0:1`` back into an address.
+
+        Args:
+            name: a name from ``get_name``.
+
+        Returns:
+            The address.
+
+        Raises:
+            ValueError: a rank in the name is not an int.
+        """
         root, *ranks = name.split(":")
         return cls(root, [int(r) for r in ranks])
 
@@ -36,19 +50,40 @@ class WorkerAddress:
         return self.rank_path[-1] if self.rank_path else 0
 
     def get_name(self) -> str:
+        """The address as a string, ``group:rank[:rank...]``.
+
+        Returns:
+            The name.
+        """
         return self.root_group_name + "".join(f":{r}" for r in self.rank_path)
 
     def get_parent_rank(self) -> int:
-        """Rank of the parent worker, or 0 when this worker sits directly under the root group."""
+        """Rank of the parent worker, or 0 when this worker sits directly under the root group.
+
+        Returns:
+            The rank.
+        """
         return self.rank_path[-2] if len(self.rank_path) > 1 else 0
 
     def get_parent_address(self) -> WorkerAddress | None:
-        """The address one level up, or None for the root group itself."""
+        """The address one level up, or None for the root group itself.
+
+        Returns:
+            The parent's address, or None.
+        """
         if not self.rank_path:
             return None
         return WorkerAddress(self.root_group_name, list(self.rank_path[:-1]))
 
     def get_child_address(self, rank: int) -> WorkerAddress:
+        """The address of child ``rank`` of this worker.
+
+        Args:
+            rank: the child's rank.
+
+        Returns:
+            The child's address.
+        """
         return WorkerAddress(self.root_group_name, [*self.rank_path, rank])
 
     def __eq__(self, other: object) -> bool:

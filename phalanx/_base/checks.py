@@ -63,19 +63,77 @@ def check_timeout(value: Any, arg: str = "timeout") -> float | None:
 
 
 def check_rank(value: Any, world_size: int, arg: str = "rank") -> int:
-    """A rank of a group of ``world_size`` workers: an int in ``[0, world_size)``."""
+    """A rank of a group of ``world_size`` workers: an int in ``[0, world_size)``.
+
+    Args:
+        value: the rank to check.
+        world_size: the number of workers.
+        arg: the argument's name, for the error.
+
+    Returns:
+        The rank as an ``int``.
+
+    Raises:
+        TypeError: ``value`` is not an int.
+        ValueError: it is out of range.
+    """
     rank = check_int(value, arg, minimum=0)
     if rank >= world_size:
         raise ValueError(f"{arg} must be < world size {world_size}, got {rank}")
     return rank
 
 
-def check_ranks(values: Iterable[Any], world_size: int, arg: str = "ranks") -> list[int]:
-    """A list of distinct ranks of a group of ``world_size`` workers, in the given order."""
+REPEATS = ("error", "allow", "merge")
+
+
+def check_ranks(
+    values: Iterable[Any],
+    world_size: int,
+    arg: str = "ranks",
+    *,
+    repeats: str = "error",
+    first: int = 0,
+    group: str | None = None,
+) -> list[int]:
+    """A list of ranks of a group of ``world_size`` workers, in the given order.
+
+    Each rank follows ``check_rank``'s rule (an int, not a bool), in
+    ``[first, first + world_size)``; every bad one is named in one error.
+
+    Args:
+        values: the ranks.
+        world_size: the number of workers.
+        arg: the argument's name, for the error.
+        repeats: what a rank given twice means: ``"error"``; ``"allow"`` (a dispatch
+            may call one rank twice); ``"merge"`` (kept once, where it first stands).
+        first: the lowest rank (1 where ids count from 1, as RLlib's remote runners).
+        group: the group's name, for the error.
+
+    Returns:
+        The ranks as ``int``.
+
+    Raises:
+        TypeError: ``values`` is not a list of ints.
+        ValueError: a rank is out of range, or repeated with ``repeats="error"``.
+    """
+    check_choice(repeats, REPEATS, "repeats")
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise TypeError(f"{arg} must be a list of ints, got {type(values).__name__}")
-    ranks = [check_rank(v, world_size, arg) for v in values]
-    if len(set(ranks)) != len(ranks):
+    values = list(values)
+    not_int = [v for v in values if not _is_int(v)]
+    if not_int:
+        raise TypeError(
+            f"{arg}: ranks must be ints; each rank must be an int rank, got {not_int!r}"
+        )
+    ranks = [int(v) for v in values]
+    bad = [r for r in ranks if not first <= r < first + world_size]
+    if bad:
+        where = f"group {group} of " if group else ""
+        span = f" (ranks {first}..{first + world_size - 1})" if first else ""
+        raise ValueError(f"{arg}: ranks {bad} out of range for {where}{world_size} workers{span}")
+    if repeats == "merge":
+        return list(dict.fromkeys(ranks))
+    if repeats == "error" and len(set(ranks)) != len(ranks):
         raise ValueError(f"{arg} has repeated ranks: {ranks}")
     return ranks
 

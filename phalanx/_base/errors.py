@@ -10,6 +10,14 @@ class WorkerError(RuntimeError, RayError):
 
     Also a ``ray.exceptions.RayError``, so code written for Ray/RLlib that catches Ray's
     errors from remote calls catches it too.
+
+    Args:
+        group: the group's name.
+        rank: the worker's rank.
+        method: the method that raised.
+        remote_traceback: the worker's traceback.
+        cause_type: the name of the exception's type.
+        message: the exception's message.
     """
 
     def __init__(
@@ -53,7 +61,15 @@ class WorkerDiedError(WorkerError):
 
 
 class GroupTimeoutError(TimeoutError):
-    """A group call did not finish in time; names the ranks that did not finish."""
+    """A group call did not finish in time; names the ranks that did not finish.
+
+    Args:
+        group: the group's name.
+        method: the method's name.
+        pending_ranks: the ranks still running.
+        timeout: the seconds waited.
+        report: a hang report's text.
+    """
 
     def __init__(
         self, group: str, method: str, pending_ranks: list[int], timeout: float, report: str = ""

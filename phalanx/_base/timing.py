@@ -62,7 +62,18 @@ class TimerRecorder:
 
 
 def reduce_durations(per_rank: list[dict[str, float]], reduce: str = "max") -> dict[str, float]:
-    """Combine per-rank duration maps tag by tag (``max``, ``min``, ``mean`` or ``sum``)."""
+    """Combine per-rank duration maps tag by tag (``max``, ``min``, ``mean`` or ``sum``).
+
+    Args:
+        per_rank: one dict from tag to seconds per rank.
+        reduce: ``"max"``, ``"min"``, ``"mean"`` or ``"sum"``.
+
+    Returns:
+        A dict from tag to the combined seconds.
+
+    Raises:
+        ValueError: ``reduce`` is not one of those.
+    """
     if reduce not in _REDUCERS:
         raise ValueError(f"reduce must be one of {sorted(_REDUCERS)}, got {reduce!r}")
     fn = _REDUCERS[reduce]
@@ -74,7 +85,14 @@ def reduce_durations(per_rank: list[dict[str, float]], reduce: str = "max") -> d
 
 
 def timer(tag: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator form of ``worker_timer``: times every call of a worker method under ``tag``."""
+    """Decorator form of ``worker_timer``: times every call of a worker method under ``tag``.
+
+    Args:
+        tag: the timer's name.
+
+    Returns:
+        The decorator.
+    """
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)

@@ -108,11 +108,20 @@ class PPOConfig:
 
     @classmethod
     def for_env(cls, env: str, **overrides: Any) -> PPOConfig:
-        """Tuned starting points for a few environments; anything else uses the defaults."""
+        """Tuned starting points for a few environments; anything else uses the defaults.
+
+        Args:
+            env: the gymnasium env id.
+            **overrides: fields that replace the tuned values.
+
+        Returns:
+            The config.
+        """
         return cls(**{"env": env, **TUNED.get(env, {}), **overrides})
 
     @property
     def batch_size(self) -> int:
+        """Env steps per iteration: runners x envs per runner x fragment length."""
         runners = max(self.num_env_runners, 1)
         return runners * self.num_envs_per_env_runner * self.rollout_fragment_length
 
@@ -171,6 +180,11 @@ class PPOConfig:
         check_env_id(self.env)
 
     def env_runner_config(self) -> Any:
+        """The ``EnvRunnerGroupConfig`` of this run's env runners.
+
+        Returns:
+            The config.
+        """
         from phalanx.envs import EnvRunnerGroupConfig
 
         return EnvRunnerGroupConfig(
@@ -194,7 +208,18 @@ class PPOConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "PPO config") -> PPOConfig:
-        """A config from a mapping (a YAML file, a checkpoint); unknown keys are an error."""
+        """A config from a mapping (a YAML file, a checkpoint); unknown keys are an error.
+
+        Args:
+            d: the fields.
+            source: what ``d`` came from, for the error.
+
+        Returns:
+            The config.
+
+        Raises:
+            ValueError: a key is not a field.
+        """
         return cls(**harness.check_keys(d, cls, source))
 
 

@@ -415,6 +415,19 @@ class Channel:
 
     Create with ``Channel.create(name, node_rank=0, maxsize=0)`` (or a worker's
     ``self.create_channel``), connect with ``Channel.connect(name)``.
+
+    Args:
+        name: the channel's name.
+        maxsize: the most items one key holds (0: unbounded).
+
+    Example:
+        >>> import phalanx as px
+        >>> cluster = px.Cluster()
+        >>> channel = px.create_channel("example_channel", maxsize=4)
+        >>> channel.put({"step": 1})
+        >>> px.connect_channel("example_channel").get()
+        {'step': 1}
+        >>> channel.close()
     """
 
     def __init__(self, name: str, maxsize: int):
@@ -439,6 +452,22 @@ class Channel:
         ``node_id`` is the older name of ``node_rank`` in RLinf's API document. RLinf's
         ``distributed=True`` (one replica per node) and ``local=True`` (in-process only)
         are not supported: they raise ``NotImplementedError``.
+
+        Args:
+            name: the channel's name, unique in the cluster.
+            node_rank: the node that hosts the channel actor.
+            maxsize: the most items one key holds (0: unbounded).
+            distributed: RLinf's one replica per node (not supported).
+            local: RLinf's in-process channel (not supported).
+            node_id: the older name of ``node_rank``.
+
+        Returns:
+            A handle to the new channel.
+
+        Raises:
+            ValueError: a channel of that name exists, or both ``node_rank`` and ``node_id``
+                are given.
+            NotImplementedError: ``distributed`` or ``local`` is True.
         """
         check_name(name, "name")
         if node_id is not None:
@@ -487,6 +516,16 @@ class Channel:
         """A handle to an existing channel; ``ValueError`` naming it if there is none.
 
         ``current_worker`` is accepted for RLinf's signature; phalanx does not need it.
+
+        Args:
+            name: the channel's name.
+            current_worker: ignored (RLinf's signature).
+
+        Returns:
+            A handle to the channel.
+
+        Raises:
+            ValueError: no channel has that name.
         """
         check_name(name, "name")
         try:
@@ -535,7 +574,20 @@ class Channel:
     def put(
         self, item: Any, weight: float = 0, key: Any = DEFAULT_KEY, async_op: bool = False
     ) -> Work | None:
-        """Append ``item`` (with ``weight``, for ``get_batch``) to ``key``'s queue; waits while it is full."""
+        """Append ``item`` (with ``weight``, for ``get_batch``) to ``key``'s queue; waits while it is full.
+
+        Args:
+            item: any picklable object.
+            weight: the item's weight for ``get_batch``.
+            key: the queue's key.
+            async_op: return a ``Work`` at once instead of waiting.
+
+        Returns:
+            A ``Work`` if ``async_op``, else None.
+
+        Raises:
+            ValueError: ``weight`` is negative.
+        """
         check_number(weight, "weight", minimum=0)
         bounded = self.maxsize > 0
         t0 = time.perf_counter() if _trace.ON else 0.0
@@ -552,7 +604,16 @@ class Channel:
         return None
 
     def put_nowait(self, item: Any, weight: float = 0, key: Any = DEFAULT_KEY) -> None:
-        """Append ``item`` or raise ``ChannelFull`` (an ``asyncio.QueueFull``) at once."""
+        """Append ``item`` or raise ``ChannelFull`` (an ``asyncio.QueueFull``) at once.
+
+        Args:
+            item: any picklable object.
+            weight: the item's weight for ``get_batch``.
+            key: the queue's key.
+
+        Raises:
+            ChannelFull: ``key``'s queue is full.
+        """
         check_number(weight, "weight", minimum=0)
         _, work = self._client().request(
             f"put_nowait to {self.name!r}", "put_nowait", key, item, weight
@@ -565,6 +626,17 @@ class Channel:
         """The oldest item of ``key`` (waits until there is one); a ``Work`` if ``async_op``.
 
         With ``timeout`` a synchronous get raises ``TimeoutError`` and is withdrawn.
+
+        Args:
+            key: the queue's key.
+            async_op: return a ``Work`` at once instead of the item.
+            timeout: seconds to wait (no bound if None).
+
+        Returns:
+            The item, or a ``Work`` whose ``wait()`` returns it.
+
+        Raises:
+            TimeoutError: no item came within ``timeout``.
         """
         check_timeout(timeout)
         t0 = time.perf_counter() if _trace.ON else 0.0
@@ -581,7 +653,17 @@ class Channel:
         return item
 
     def get_nowait(self, key: Any = DEFAULT_KEY) -> Any:
-        """The oldest item of ``key`` or ``ChannelEmpty`` (an ``asyncio.QueueEmpty``) at once."""
+        """The oldest item of ``key`` or ``ChannelEmpty`` (an ``asyncio.QueueEmpty``) at once.
+
+        Args:
+            key: the queue's key.
+
+        Returns:
+            The oldest item.
+
+        Raises:
+            ChannelEmpty: ``key`` holds no item.
+        """
         what = f"get_nowait from {self.name!r}"
         _, work = self._client().request(what, "get_nowait", key, post=_item)
         return work.wait()
@@ -593,7 +675,21 @@ class Channel:
         async_op: bool = False,
         timeout: float | None = None,
     ) -> Any:
-        """The oldest items of ``key`` up to ``target_weight`` in total (a list; see the module doc)."""
+        """The oldest items of ``key`` up to ``target_weight`` in total (a list; see the module doc).
+
+        Args:
+            target_weight: the total weight to take.
+            key: the queue's key.
+            async_op: return a ``Work`` at once instead of the list.
+            timeout: seconds to wait (no bound if None).
+
+        Returns:
+            The list of items, or a ``Work`` whose ``wait()`` returns it.
+
+        Raises:
+            ValueError: ``target_weight`` is negative.
+            TimeoutError: the items did not come within ``timeout``.
+        """
         check_number(target_weight, "target_weight", minimum=0)
         check_timeout(timeout)
         client = self._client()
@@ -604,17 +700,44 @@ class Channel:
         return work if async_op else client.wait_or_withdraw(req, work, key, timeout)
 
     def qsize(self, key: Any = DEFAULT_KEY) -> int:
-        """Items queued under ``key`` (puts blocked on a full queue not counted)."""
+        """Items queued under ``key`` (puts blocked on a full queue not counted).
+
+        Args:
+            key: the queue's key.
+
+        Returns:
+            The number of items.
+        """
         return self._client().request("qsize", "qsize", key)[1].wait()
 
     def empty(self, key: Any = DEFAULT_KEY) -> bool:
+        """Whether ``key``'s queue is empty.
+
+        Args:
+            key: the queue's key.
+
+        Returns:
+            True when ``key`` holds no item.
+        """
         return self.qsize(key) == 0
 
     def full(self, key: Any = DEFAULT_KEY) -> bool:
+        """Whether ``key``'s queue is full.
+
+        Args:
+            key: the queue's key.
+
+        Returns:
+            True when ``key`` holds ``maxsize`` items.
+        """
         return self._client().request("full", "full", key)[1].wait()
 
     def peek_all(self) -> dict[Any, list[Any]]:
-        """Every queued item, per key, oldest first, without taking them."""
+        """Every queued item, per key, oldest first, without taking them.
+
+        Returns:
+            A dict from key to its items.
+        """
         return self._client().request("peek_all", "peek_all", None)[1].wait()
 
 
@@ -632,6 +755,23 @@ def create_channel(
 
     RLinf's keywords (``channel_name``, ``node_rank``, ``maxsize``); the older
     ``name``/``node_id`` of RLinf's API document are accepted too.
+
+    Args:
+        channel_name: the channel's name.
+        node_rank: the node that hosts the channel actor.
+        maxsize: the most items one key holds (0: unbounded).
+        distributed: not supported.
+        local: not supported.
+        name: the channel's name, by its older keyword.
+        node_id: the older name of ``node_rank``.
+
+    Returns:
+        A handle to the new channel.
+
+    Raises:
+        ValueError: both ``channel_name`` and ``name`` are given, or a channel of that
+            name exists.
+        NotImplementedError: ``distributed`` or ``local`` is True.
     """
     return Channel.create(
         _channel_name(channel_name, name),
@@ -644,7 +784,18 @@ def create_channel(
 
 
 def connect_channel(channel_name: str | None = None, *, name: str | None = None) -> Channel:
-    """Connect to a channel by name (see ``Channel.connect``)."""
+    """Connect to a channel by name (see ``Channel.connect``).
+
+    Args:
+        channel_name: the channel's name.
+        name: the same, by its older keyword.
+
+    Returns:
+        A handle to the channel.
+
+    Raises:
+        ValueError: both names are given, or no channel has that name.
+    """
     return Channel.connect(_channel_name(channel_name, name))
 
 

@@ -33,7 +33,14 @@ _lock = threading.Lock()
 
 @dataclass
 class CollectiveGroup:
-    """A torch process group over named workers; ``pg`` is usable with ``torch.distributed``."""
+    """A torch process group over named workers; ``pg`` is usable with ``torch.distributed``.
+
+    Attributes:
+        members: the members' worker names, in collective-rank order.
+        rank: this process's collective rank.
+        backend: ``"gloo"`` or ``"nccl"``.
+        pg: the torch process group.
+    """
 
     members: tuple[str, ...]
     rank: int
@@ -42,15 +49,31 @@ class CollectiveGroup:
 
     @property
     def world_size(self) -> int:
+        """The number of members."""
         return len(self.members)
 
     def broadcast(self, tensor: Any, src: int = 0) -> Any:
-        """In-place broadcast of ``tensor`` from member ``src``; returns ``tensor``."""
+        """In-place broadcast of ``tensor`` from member ``src``; returns ``tensor``.
+
+        Args:
+            tensor: the tensor, overwritten on the other members.
+            src: the member that sends.
+
+        Returns:
+            ``tensor``.
+        """
         self.pg.broadcast([tensor], src).wait()
         return tensor
 
     def all_reduce(self, tensor: Any) -> Any:
-        """In-place sum over the members; returns ``tensor``."""
+        """In-place sum over the members; returns ``tensor``.
+
+        Args:
+            tensor: the tensor, summed in place.
+
+        Returns:
+            ``tensor``.
+        """
         self.pg.allreduce([tensor]).wait()
         return tensor
 

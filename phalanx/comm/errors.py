@@ -8,7 +8,12 @@ import queue
 
 
 class CommError(RuntimeError):
-    """A communication operation with ``peer`` failed."""
+    """A communication operation with ``peer`` failed.
+
+    Args:
+        peer: the peer's worker name.
+        message: what failed.
+    """
 
     def __init__(self, peer: str, message: str):
         self.peer = peer
@@ -20,7 +25,12 @@ class CommError(RuntimeError):
 
 
 class PeerDiedError(CommError):
-    """The peer process died (or stopped answering) while an operation waited on it."""
+    """The peer process died (or stopped answering) while an operation waited on it.
+
+    Args:
+        peer: the peer's worker name.
+        message: what failed.
+    """
 
 
 class PeerTimeoutError(PeerDiedError):

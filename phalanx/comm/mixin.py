@@ -43,6 +43,20 @@ class CommMixin:
 
         ``options``: a ``CollectiveGroupOptions`` (see ``phalanx.comm.options``);
         ``piggyback_payload=p`` makes the receiver's ``recv`` return ``(object, p)``, as in RLinf.
+
+        Args:
+            object: any picklable object.
+            dst_group_name: the receiver's group name, or its ``WorkerAddress``.
+            dst_rank: the receiver's rank in that group.
+            async_op: return a ``Work`` at once.
+            options: a ``CollectiveGroupOptions``.
+            piggyback_payload: an object the receiver gets beside ``object``.
+
+        Returns:
+            A ``Work`` if ``async_op``, else None.
+
+        Raises:
+            PeerDiedError: the receiver died.
         """
         from phalanx.comm import p2p
 
@@ -63,7 +77,22 @@ class CommMixin:
         options: Any = None,
         timeout: float | None = None,
     ) -> Any:
-        """The next object sent by that worker to this one (a ``Work`` if ``async_op``)."""
+        """The next object sent by that worker to this one (a ``Work`` if ``async_op``).
+
+        Args:
+            src_group_name: the sender's group name, or its ``WorkerAddress``.
+            src_rank: the sender's rank in that group.
+            async_op: return a ``Work`` at once.
+            options: a ``CollectiveGroupOptions``.
+            timeout: seconds to wait (no bound if None).
+
+        Returns:
+            The object, ``(object, piggyback)`` if the sender gave one, or a ``Work``.
+
+        Raises:
+            TimeoutError: nothing came within ``timeout``.
+            PeerDiedError: the sender died.
+        """
         from phalanx.comm import p2p
 
         return p2p.recv(
@@ -78,7 +107,21 @@ class CommMixin:
         async_op: bool = False,
         options: Any = None,
     ) -> Work | None:
-        """Send one tensor for the receiver's ``recv_tensor`` into its own buffer."""
+        """Send one tensor for the receiver's ``recv_tensor`` into its own buffer.
+
+        Args:
+            tensor: the tensor to send.
+            dst_group_name: the receiver's group name, or its ``WorkerAddress``.
+            dst_rank: the receiver's rank in that group.
+            async_op: return a ``Work`` at once.
+            options: a ``CollectiveGroupOptions``.
+
+        Returns:
+            A ``Work`` if ``async_op``, else None.
+
+        Raises:
+            PeerDiedError: the receiver died.
+        """
         from phalanx.comm import p2p
 
         return p2p.send_tensor(tensor, dst_group_name, dst_rank, async_op=async_op, options=options)
@@ -92,7 +135,20 @@ class CommMixin:
         options: Any = None,
         timeout: float | None = None,
     ) -> Any:
-        """Receive in place into ``tensor``; a dtype/size mismatch raises ``ValueError``."""
+        """Receive in place into ``tensor``; a dtype/size mismatch raises ``ValueError``.
+
+        Args:
+            tensor: the buffer to receive into.
+            src_group_name, src_rank, async_op, options, timeout: as for ``recv``.
+
+        Returns:
+            None, or a ``Work`` if ``async_op``.
+
+        Raises:
+            ValueError: the tensor sent differs in dtype or size.
+            TimeoutError: nothing came within ``timeout``.
+            PeerDiedError: the sender died.
+        """
         from phalanx.comm import p2p
 
         return p2p.recv_tensor(
@@ -111,6 +167,16 @@ class CommMixin:
 
         ``groups=[(group_name, ranks), ...]``, ``src=(group_name, rank)`` (default: the
         first member). See ``phalanx.comm.p2p.broadcast``.
+
+        Args:
+            object: the object to send (read on the source only).
+            groups: the members, as ``(group_name, ranks)`` pairs.
+            src: the source as ``(group_name, rank)``.
+            async_op: return a ``Work`` at once.
+            options: a ``CollectiveGroupOptions``.
+
+        Returns:
+            The source's object, or a ``Work`` whose ``wait()`` returns it.
         """
         from phalanx.comm import p2p
 
@@ -127,7 +193,19 @@ class CommMixin:
         name: str | None = None,
         node_id: int | None = None,
     ) -> Channel:
-        """Create a named channel (a FIFO per key) on node rank ``node_rank`` (RLinf's keywords)."""
+        """Create a named channel (a FIFO per key) on node rank ``node_rank`` (RLinf's keywords).
+
+        Args:
+            channel_name, node_rank, maxsize: as for ``phalanx.create_channel``.
+            distributed, local, name, node_id: the same.
+
+        Returns:
+            A handle to the new channel.
+
+        Raises:
+            ValueError: a channel of that name exists.
+            NotImplementedError: ``distributed`` or ``local`` is True.
+        """
         from phalanx.comm.channel import create_channel
 
         return create_channel(
@@ -143,7 +221,18 @@ class CommMixin:
     def connect_channel(
         self, channel_name: str | None = None, *, name: str | None = None
     ) -> Channel:
-        """Connect to an existing channel by name."""
+        """Connect to an existing channel by name.
+
+        Args:
+            channel_name: the channel's name.
+            name: the same, by keyword.
+
+        Returns:
+            A handle to the channel.
+
+        Raises:
+            ValueError: no channel has that name.
+        """
         from phalanx.comm.channel import connect_channel
 
         return connect_channel(channel_name, name=name)

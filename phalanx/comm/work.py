@@ -19,6 +19,11 @@ class Work:
     """Handle of one asynchronous send, receive or channel operation.
 
     Messages between one pair of workers complete in the order they were posted.
+
+    Args:
+        what: the operation's description, for errors.
+        future: the future it completes (a new one if None).
+        post: applied to the result before ``wait`` returns it.
     """
 
     __slots__ = ("_future", "_what", "_post")
@@ -35,6 +40,15 @@ class Work:
 
     @classmethod
     def completed(cls, what: str, value: Any = None) -> Work:
+        """A ``Work`` already finished with ``value``.
+
+        Args:
+            what: the operation's description, for errors.
+            value: its result.
+
+        Returns:
+            The finished ``Work``.
+        """
         work = cls(what)
         work._future.set_result(value)
         return work
@@ -44,6 +58,16 @@ class Work:
 
         Raises ``TimeoutError`` after ``timeout`` seconds (the operation stays posted: wait
         again to get its result), or the operation's error (e.g. ``PeerDiedError``).
+
+        Args:
+            timeout: seconds to wait (no bound if None).
+
+        Returns:
+            The operation's result.
+
+        Raises:
+            TimeoutError: it did not finish within ``timeout``.
+            PeerDiedError: the peer died.
         """
         timeout = check_timeout(timeout)
         try:
@@ -53,15 +77,27 @@ class Work:
         return self._post(value) if self._post is not None else value
 
     def add_done_callback(self, fn: Callable[[concurrent.futures.Future], None]) -> None:
-        """Call ``fn(future)`` once the operation finished (at once if it has)."""
+        """Call ``fn(future)`` once the operation finished (at once if it has).
+
+        Args:
+            fn: called with the underlying future.
+        """
         self._future.add_done_callback(fn)
 
     def done(self) -> bool:
-        """True once the operation finished (successfully or not)."""
+        """True once the operation finished (successfully or not).
+
+        Returns:
+            Whether it finished.
+        """
         return self._future.done()
 
     async def async_wait(self) -> Any:
-        """Await the result without blocking the event loop."""
+        """Await the result without blocking the event loop.
+
+        Returns:
+            The operation's result.
+        """
         value = await asyncio.wrap_future(self._future)
         return self._post(value) if self._post is not None else value
 

@@ -146,6 +146,20 @@ class BatchedDataDict(dict, Generic[DictT]):
     batch, ``[start, end]`` rows relative to that global batch), ``micro_batch_lengths``
     (per global batch, the padded or packed token length of each micro-batch) and
     ``elem_counts_per_gb`` (rows per global batch); elsewhere they are None.
+
+    Args:
+        *args, **kwargs: as for ``dict``: the columns.
+
+    Example:
+        >>> import torch
+        >>> from phalanx import BatchedDataDict
+        >>> batch = BatchedDataDict(ids=torch.arange(8).reshape(4, 2), reward=[0.0, 1.0, 0.5, 1.0])
+        >>> batch.size
+        4
+        >>> [shard["reward"] for shard in batch.shard_by_batch_size(2)]
+        [[0.0, 1.0], [0.5, 1.0]]
+        >>> batch.select_indices([3, 0])["ids"].tolist()
+        [[6, 7], [0, 1]]
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -168,6 +182,17 @@ class BatchedDataDict(dict, Generic[DictT]):
         ``pad_value_dict[key]`` (default 0); lists are concatenated. Non-empty batches must
         have the same keys; an empty batch (no rows, e.g. the output of an empty
         data-parallel shard) may lack keys, and an empty list gives an empty dict.
+
+        Args:
+            batches: the batches, in order.
+            pad_value_dict: the padding value per key.
+
+        Returns:
+            The concatenated batch.
+
+        Raises:
+            TypeError: ``batches`` is not a sequence of mappings.
+            BatchKeysError: two non-empty batches have different keys.
         """
         if isinstance(batches, Mapping) or not is_sequence(batches):
             raise TypeError(f"batches must be a sequence of mappings, got {type(batches).__name__}")
@@ -206,11 +231,19 @@ class BatchedDataDict(dict, Generic[DictT]):
         return next(iter(sizes.values()), 0)
 
     def get_dict(self) -> dict[str, Any]:
-        """A plain ``dict`` holding the same values (a new dict, values not copied)."""
+        """A plain ``dict`` holding the same values (a new dict, values not copied).
+
+        Returns:
+            The dict.
+        """
         return dict(self)
 
     def copy(self) -> Self:
-        """Shallow copy: a new dict of the same class with the same values and plans."""
+        """Shallow copy: a new dict of the same class with the same values and plans.
+
+        Returns:
+            The copy.
+        """
         out = type(self)(self)
         out._copy_plans_from(self)
         return out
@@ -224,26 +257,65 @@ class BatchedDataDict(dict, Generic[DictT]):
         return f"{type(self).__name__}({dict.__repr__(self)})"
 
     def to(self, device: str | torch.device) -> Self:
-        """Move all tensors to ``device`` in place; returns self."""
+        """Move all tensors to ``device`` in place; returns self.
+
+        Args:
+            device: the target device.
+
+        Returns:
+            This batch.
+        """
         for k, v in self.items():
             if isinstance(v, torch.Tensor):
                 self[k] = v.to(device)
         return self
 
     def slice(self, start: int, end: int) -> Self:
-        """Rows ``start:end`` (views for tensors and arrays); bounds must lie in ``[0, size]``."""
+        """Rows ``start:end`` (views for tensors and arrays); bounds must lie in ``[0, size]``.
+
+        Args:
+            start: the first row.
+            end: one past the last row.
+
+        Returns:
+            The new batch.
+
+        Raises:
+            ValueError: a bound is out of range.
+        """
         size = self.size
         start = check_int(start, "start", 0, size)
         end = check_int(end, "end", start, size)
         return type(self)({k: slice_rows(v, start, end) for k, v in self.items()})
 
     def select_indices(self, indices: Sequence[int] | torch.Tensor | np.ndarray) -> Self:
-        """Rows at ``indices`` (any order, repeats allowed) as new storage."""
+        """Rows at ``indices`` (any order, repeats allowed) as new storage.
+
+        Args:
+            indices: the row positions.
+
+        Returns:
+            The new batch.
+
+        Raises:
+            IndexError: an index is out of range.
+        """
         rows = index_list(indices, self.size, "indices")
         return type(self)({k: take(v, rows) for k, v in self.items()})
 
     def chunk(self, rank: int, chunks: int) -> Self:
-        """The ``rank``-th of ``chunks`` equal contiguous pieces; size must divide evenly."""
+        """The ``rank``-th of ``chunks`` equal contiguous pieces; size must divide evenly.
+
+        Args:
+            rank: which piece.
+            chunks: how many pieces.
+
+        Returns:
+            The piece.
+
+        Raises:
+            ValueError: ``chunks`` does not divide the size, or ``rank`` is out of range.
+        """
         chunks = check_int(chunks, "chunks", minimum=1)
         rank = check_rank(rank, chunks)
         size = self.size
@@ -256,6 +328,12 @@ class BatchedDataDict(dict, Generic[DictT]):
         """Repeat each sample ``num_repeats`` times in place order (a a b b ...).
 
         List items are deep-copied so that repeated samples can be mutated independently.
+
+        Args:
+            num_repeats: copies of each row.
+
+        Returns:
+            The new batch.
         """
         num_repeats = check_int(num_repeats, "num_repeats", minimum=1)
         out = type(self)()
@@ -273,6 +351,10 @@ class BatchedDataDict(dict, Generic[DictT]):
         """In place, cut every tensor with more than ``dim`` dims to ``truncated_len`` on ``dim``.
 
         Tensors already shorter than ``truncated_len`` on that dim are left as they are.
+
+        Args:
+            dim: the dimension to cut (1 or more).
+            truncated_len: the new length.
         """
         dim = check_int(dim, "dim", minimum=1)
         truncated_len = check_int(truncated_len, "truncated_len", minimum=0)
@@ -286,6 +368,12 @@ class BatchedDataDict(dict, Generic[DictT]):
         This undoes ``select_indices(p)``: given the ``sorted_indices`` returned by
         ``shard_by_batch_size``, it restores the caller's order of the concatenated shard
         outputs. Micro-batch plans no longer apply afterwards and are cleared.
+
+        Args:
+            reorded_indices: a permutation of ``range(size)`` (NeMo-RL's spelling).
+
+        Raises:
+            ValueError: it is not a permutation.
         """
         size = self.size
         perm = index_list(reorded_indices, size, "reorded_indices")
@@ -333,6 +421,19 @@ class BatchedDataDict(dict, Generic[DictT]):
 
         Returns the list of shards, or with either option ``(shards, sorted_indices)`` where
         the concatenated shards equal ``self.select_indices(sorted_indices)``.
+
+        Args:
+            shards: how many shards.
+            batch_size: rows per global batch (all rows if None).
+            allow_uneven_shards: let parts differ by one row.
+            dynamic_batching_args: plan dynamic-shape micro-batches.
+            sequence_packing_args: plan packed micro-batches.
+
+        Returns:
+            The shards, or ``(shards, sorted_indices)`` with either option.
+
+        Raises:
+            ShardingError: the sizes do not divide as required.
         """
         shards = check_int(shards, "shards", minimum=1)
         if batch_size is not None:
@@ -520,6 +621,17 @@ class BatchedDataDict(dict, Generic[DictT]):
 
         Uses ``elem_counts_per_gb`` when the dict came from ``shard_by_batch_size``;
         otherwise ``batch_size`` rows per global batch.
+
+        Args:
+            batch_idx: the global batch.
+            batch_size: its rows (needed when the dict was not sharded).
+
+        Returns:
+            The global batch.
+
+        Raises:
+            IndexError: ``batch_idx`` is out of range.
+            ValueError: ``batch_size`` is missing or disagrees with the shard's plan.
         """
         batch_idx = check_int(batch_idx, "batch_idx", minimum=0)
         if self.elem_counts_per_gb is not None:
@@ -551,7 +663,17 @@ class BatchedDataDict(dict, Generic[DictT]):
         return batch
 
     def make_microbatch_iterator(self, microbatch_size: int) -> Iterator[Self]:
-        """Yield consecutive slices of ``microbatch_size`` rows; it must divide ``size``."""
+        """Yield consecutive slices of ``microbatch_size`` rows; it must divide ``size``.
+
+        Args:
+            microbatch_size: rows per micro-batch.
+
+        Returns:
+            An iterator over the micro-batches.
+
+        Raises:
+            ValueError: ``microbatch_size`` does not divide the size.
+        """
         microbatch_size = check_int(microbatch_size, "microbatch_size", minimum=1)
         size = self.size
         if size % microbatch_size:
@@ -581,7 +703,14 @@ class BatchedDataDict(dict, Generic[DictT]):
         ]
 
     def make_microbatch_iterator_with_dynamic_shapes(self, sequence_dim: int = 1) -> Iterator[Self]:
-        """Yield the dynamic-batching micro-batches, tensors cut to each one's padded length."""
+        """Yield the dynamic-batching micro-batches, tensors cut to each one's padded length.
+
+        Args:
+            sequence_dim: the tensors' sequence dimension.
+
+        Returns:
+            An iterator over the micro-batches.
+        """
         plan = self._planned_microbatches()
 
         def generate() -> Iterator[Self]:
@@ -593,15 +722,27 @@ class BatchedDataDict(dict, Generic[DictT]):
         return generate()
 
     def get_microbatch_iterator_dynamic_shapes_len(self) -> int:
-        """Number of micro-batches ``make_microbatch_iterator_with_dynamic_shapes`` yields."""
+        """Number of micro-batches ``make_microbatch_iterator_with_dynamic_shapes`` yields.
+
+        Returns:
+            The number of micro-batches.
+        """
         return len(self._planned_microbatches())
 
     def make_microbatch_iterator_for_packable_sequences(self) -> Iterator[Self]:
-        """Yield the sequence-packing micro-batches (bins), tensors untouched."""
+        """Yield the sequence-packing micro-batches (bins), tensors untouched.
+
+        Returns:
+            An iterator over the micro-batches.
+        """
         plan = self._planned_microbatches()
         return (self.slice(start, end) for start, end, _ in plan)
 
     def get_microbatch_iterator_for_packable_sequences_len(self) -> tuple[int, int]:
-        """(number of packed micro-batches, largest packed token count among them)."""
+        """(number of packed micro-batches, largest packed token count among them).
+
+        Returns:
+            ``(micro-batches, largest token count)``.
+        """
         plan = self._planned_microbatches()
         return len(plan), max((length for _, _, length in plan), default=0)

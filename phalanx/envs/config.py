@@ -19,7 +19,10 @@ DEFAULT_POLICY_ID = "default_policy"
 class EnvRunnerGroupConfig:
     """Everything an :class:`~phalanx.envs.EnvRunnerGroup` and its runners need.
 
-    Environment:
+    Fault tolerance follows RLlib's rules: any error from a remote runner - its env
+    raised, its process died - takes it out of service and drops its result.
+
+    Attributes:
         env: a gymnasium env id (``"CartPole-v1"``), or ``None`` when an ``env_creator``
             is given to the group.
         env_config: passed to ``env_creator`` inside the :class:`EnvContext` (and as
@@ -33,11 +36,8 @@ class EnvRunnerGroupConfig:
         seed: base seed; runner ``i`` seeds its envs with ``seed + 1000 * i + vector_index``
             and torch with ``seed + i`` (None: unseeded).
         explore: sample actions stochastically (True) or greedily.
-    Policies:
         policy_config: keyword arguments of the default policy class (e.g. ``hidden``).
         policies_to_train: policy ids the learner trains (None: all of them).
-    Runners and fault tolerance (RLlib's rules): any error from a remote runner - its
-    env raised, its process died - takes it out of service and drops its result.
         num_env_runners: remote runner processes (0: sample on the local runner only).
         num_cpus_per_env_runner: logical CPUs each runner reserves in Ray (1).
         num_standby_env_runners: hot standby runner processes started beside the
@@ -140,10 +140,26 @@ class EnvRunnerGroupConfig:
             raise TypeError("policies_to_train must be a list of policy ids or None")
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as a dict of its fields.
+
+        Returns:
+            The dict.
+        """
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EnvRunnerGroupConfig:
+        """A config from a dict of its fields.
+
+        Args:
+            d: the fields.
+
+        Returns:
+            The config.
+
+        Raises:
+            ValueError: a key is not a field (it names the unknown keys).
+        """
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -157,6 +173,14 @@ class EnvContext(dict):
     As in RLlib: ``worker_index`` is 0 for the local runner and ``1..n`` for remote
     runners, ``vector_index`` is the sub-environment's index in its runner's vector env,
     ``num_workers`` the number of remote runners.
+
+    Args:
+        env_config: the env's configuration.
+        worker_index: the runner's id (0: the local runner).
+        vector_index: the sub-environment's index in the runner's vector env.
+        num_workers: the number of remote runners.
+        remote: whether the runner is a remote one.
+        recreated_worker: whether the runner replaces a failed one.
     """
 
     def __init__(
@@ -176,6 +200,14 @@ class EnvContext(dict):
         self.recreated_worker = recreated_worker
 
     def copy_with_overrides(self, **kw: Any) -> EnvContext:
+        """A copy with some of its fields replaced.
+
+        Args:
+            **kw: the fields to replace.
+
+        Returns:
+            The new ``EnvContext``.
+        """
         args = dict(
             env_config=dict(self),
             worker_index=self.worker_index,

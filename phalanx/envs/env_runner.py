@@ -145,6 +145,14 @@ class EnvRunner(Worker):
     ``EnvRunner(config, env_creator=None, validate_env=None, default_policy_class=None,
     worker_index=None)``. ``worker_index`` is RLlib's: 0 for the local runner, else
     ``rank + 1`` (the default inside a group).
+
+    Args:
+        config: the group's config.
+        env_creator: builds one env from an ``EnvContext`` (``gymnasium.make(config.env)``
+            if None).
+        validate_env: called with each new env; raises to refuse it.
+        default_policy_class: the default policy's module class.
+        worker_index: the runner's id.
     """
 
     read_only_weights = True  # inference only: same-node sends give it views, not copies
@@ -224,7 +232,19 @@ class EnvRunner(Worker):
     def take_over(self, worker_index: int, state: dict[str, Any]) -> int:
         """Become runner ``worker_index`` in place of a failed one (a standby runner's
         take-over): envs rebuilt for that index (``recreated_worker``), ``state`` set as
-        after a restart; episodes start afresh. Returns the weights version it holds."""
+        after a restart; episodes start afresh. Returns the weights version it holds.
+
+        Args:
+            worker_index: the failed runner's id (1..n).
+            state: the state to set.
+
+        Returns:
+            The weights version.
+
+        Raises:
+            ValueError: ``worker_index`` is below 1, or its envs' spaces differ from this
+                runner's.
+        """
         check_int(worker_index, "worker_index", minimum=1)
         self.env.close()
         self.worker_index = worker_index
@@ -242,7 +262,11 @@ class EnvRunner(Worker):
 
     # -- policies -----------------------------------------------------------------------
     def weights_module(self) -> torch.nn.Module:
-        """All policies as one module (names ``<policy_id>.<param>``) for weight sync."""
+        """All policies as one module (names ``<policy_id>.<param>``) for weight sync.
+
+        Returns:
+            A ``ModuleDict`` of the policies.
+        """
         return torch.nn.ModuleDict(self.policies)
 
     def add_policy(
@@ -256,7 +280,24 @@ class EnvRunner(Worker):
         config: dict[str, Any] | None = None,
         policy_state: dict[str, Any] | None = None,
     ) -> torch.nn.Module:
-        """Add (or replace) a policy: an instance, or ``policy_cls(obs_space, act_space, **config)``."""
+        """Add (or replace) a policy: an instance, or ``policy_cls(obs_space, act_space, **config)``.
+
+        Args:
+            policy_id: the policy's id.
+            policy_cls: a module class, built as ``policy_cls(obs_space, act_space, **config)``.
+            policy: a module instance.
+            observation_space: the policy's observation space (the env's if None).
+            action_space: the policy's action space (the env's if None).
+            config: keyword arguments of ``policy_cls``.
+            policy_state: a state dict loaded into the policy.
+
+        Returns:
+            The policy.
+
+        Raises:
+            ValueError: ``policy_id`` is empty or has a ``.``.
+            TypeError: ``policy`` is not a torch module.
+        """
         if not isinstance(policy_id, str) or not policy_id or "." in policy_id:
             raise ValueError(f"policy_id must be a non-empty str without '.', got {policy_id!r}")
         if policy is None:
@@ -285,12 +326,32 @@ class EnvRunner(Worker):
         return self.policies[DEFAULT_POLICY_ID]
 
     def remove_policy(self, policy_id: str) -> None:
+        """Remove the policy of id ``policy_id``.
+
+        Args:
+            policy_id: the policy's id.
+
+        Raises:
+            ValueError: it is the default policy.
+            KeyError: there is no such policy.
+        """
         if policy_id == DEFAULT_POLICY_ID:
             raise ValueError("policy_id: the default policy cannot be removed")
         self.policies.pop(policy_id)
         self._policy_specs.pop(policy_id, None)
 
     def get_policy(self, policy_id: str = DEFAULT_POLICY_ID) -> torch.nn.Module:
+        """The policy of id ``policy_id``.
+
+        Args:
+            policy_id: the policy's id.
+
+        Returns:
+            The policy module.
+
+        Raises:
+            KeyError: there is no such policy.
+        """
         try:
             return self.policies[policy_id]
         except KeyError:
@@ -299,19 +360,55 @@ class EnvRunner(Worker):
             ) from None
 
     def policy_ids(self) -> list[str]:
+        """The ids of this runner's policies.
+
+        Returns:
+            The ids.
+        """
         return list(self.policies)
 
     def is_policy_to_train(self, policy_id: str, batch: Any = None) -> bool:
+        """Whether ``policy_id`` is trained.
+
+        Args:
+            policy_id: the policy's id.
+            batch: accepted for RLlib's signature.
+
+        Returns:
+            True unless ``policies_to_train`` leaves it out.
+        """
         return self.policies_to_train is None or policy_id in self.policies_to_train
 
     def set_policies_to_train(self, policies_to_train: list[str] | None) -> None:
+        """Set which policies are trained (None: all).
+
+        Args:
+            policies_to_train: the policy ids, or None.
+        """
         self.policies_to_train = None if policies_to_train is None else set(policies_to_train)
 
     def foreach_policy(self, func: Callable[..., Any], **kwargs: Any) -> list[Any]:
-        """``[func(policy, policy_id, **kwargs) for each policy]``."""
+        """``[func(policy, policy_id, **kwargs) for each policy]``.
+
+        Args:
+            func: called as ``func(policy, policy_id, **kwargs)``.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            The results, one per policy.
+        """
         return [func(p, pid, **kwargs) for pid, p in self.policies.items()]
 
     def foreach_policy_to_train(self, func: Callable[..., Any], **kwargs: Any) -> list[Any]:
+        """``[func(policy, policy_id, **kwargs) for each policy to train]``.
+
+        Args:
+            func: called as ``func(policy, policy_id, **kwargs)``.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            The results, one per policy to train.
+        """
         return [
             func(p, pid, **kwargs)
             for pid, p in self.policies.items()
@@ -319,7 +416,17 @@ class EnvRunner(Worker):
         ]
 
     def get_weights(self, policies: list[str] | None = None) -> dict[str, dict[str, np.ndarray]]:
-        """``{policy_id: state dict as numpy arrays}``."""
+        """``{policy_id: state dict as numpy arrays}``.
+
+        Args:
+            policies: the policy ids (every policy if None).
+
+        Returns:
+            A dict from policy id to its state dict.
+
+        Raises:
+            KeyError: a policy id is unknown.
+        """
         ids = list(self.policies) if policies is None else policies
         return {
             pid: {
@@ -332,7 +439,15 @@ class EnvRunner(Worker):
     def set_weights(
         self, weights: dict[str, dict[str, Any]], weights_version: int | None = None
     ) -> None:
-        """Load ``{policy_id: state dict}`` (the local runner's way of receiving weights)."""
+        """Load ``{policy_id: state dict}`` (the local runner's way of receiving weights).
+
+        Args:
+            weights: a dict from policy id to its state dict.
+            weights_version: the version these weights are.
+
+        Raises:
+            KeyError: a policy id is unknown.
+        """
         for pid, sd in weights.items():
             self.get_policy(pid).load_state_dict(_tensors(sd))
         if weights_version is not None:
@@ -340,18 +455,36 @@ class EnvRunner(Worker):
 
     # -- envs ---------------------------------------------------------------------------
     def get_spaces(self) -> dict[str, tuple[gym.Space, gym.Space]]:
-        """``{"__env__": (obs, act) of one sub-env, policy_id: (obs, act), ...}``."""
+        """``{"__env__": (obs, act) of one sub-env, policy_id: (obs, act), ...}``.
+
+        Returns:
+            A dict from ``"__env__"`` and each policy id to ``(observation space, action space)``.
+        """
         out = {"__env__": (self.observation_space, self.action_space)}
         for pid, spec in self._policy_specs.items():
             out[pid] = (spec["observation_space"], spec["action_space"])
         return out
 
     def foreach_env(self, func: Callable[[gym.Env], Any]) -> list[Any]:
-        """``[func(sub_env) for each sub-environment]``."""
+        """``[func(sub_env) for each sub-environment]``.
+
+        Args:
+            func: called with each sub-environment.
+
+        Returns:
+            The results, one per sub-environment.
+        """
         return [func(e) for e in self._sub_envs]
 
     def foreach_env_with_context(self, func: Callable[[gym.Env, EnvContext], Any]) -> list[Any]:
-        """``[func(sub_env, env_context) for each sub-environment]``."""
+        """``[func(sub_env, env_context) for each sub-environment]``.
+
+        Args:
+            func: called with each sub-environment and its ``EnvContext``.
+
+        Returns:
+            The results, one per sub-environment.
+        """
         return [func(e, ctx) for e, ctx in zip(self._sub_envs, self._contexts)]
 
     def _reset(self) -> None:
@@ -398,7 +531,11 @@ class EnvRunner(Worker):
             self._delta_rows.clear()
 
     def get_connector_state(self) -> dict[str, Any]:
-        """The normaliser's statistics seen since the last sync (``obs_norm_delta``) and in all."""
+        """The normaliser's statistics seen since the last sync (``obs_norm_delta``) and in all.
+
+        Returns:
+            ``{"obs_norm": ..., "obs_norm_delta": ...}``, or ``{}`` without normalisation.
+        """
         if self._obs_rms is None:
             return {}
         return {
@@ -407,14 +544,22 @@ class EnvRunner(Worker):
         }
 
     def set_connector_state(self, state: dict[str, Any]) -> None:
-        """Adopt merged statistics (``{"obs_norm": ...}``); the delta starts again from zero."""
+        """Adopt merged statistics (``{"obs_norm": ...}``); the delta starts again from zero.
+
+        Args:
+            state: the merged state.
+        """
         if self._obs_rms is None or not state or state.get("obs_norm") is None:
             return
         self._obs_rms.set_state(state["obs_norm"])
         self._obs_delta = RunningMeanStd(self._obs_rms.mean.shape, 0.0)
 
     def get_state(self) -> dict[str, Any]:
-        """What a restarted runner needs besides the weights: normaliser and extra policies."""
+        """What a restarted runner needs besides the weights: normaliser and extra policies.
+
+        Returns:
+            The state, for ``set_state``.
+        """
         extra = {
             pid: {**spec, "policy_state": self.get_weights([pid])[pid]}
             for pid, spec in self._policy_specs.items()
@@ -429,6 +574,11 @@ class EnvRunner(Worker):
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
+        """Restore a state from ``get_state`` (after a restart or a take-over).
+
+        Args:
+            state: the state.
+        """
         for pid, spec in (state.get("policies") or {}).items():
             self.add_policy(
                 pid,
@@ -449,7 +599,11 @@ class EnvRunner(Worker):
 
     def ping(self) -> str:
         """``"pong"``: the health probe. It queues behind a running call, so a runner stuck
-        in ``sample`` does not answer until that call ends."""
+        in ``sample`` does not answer until that call ends.
+
+        Returns:
+            ``"pong"``.
+        """
         return "pong"
 
     # -- sampling -----------------------------------------------------------------------
@@ -476,6 +630,21 @@ class EnvRunner(Worker):
         Both modes add ``episode_returns``/``episode_lengths`` of the episodes that
         finished, ``timesteps``, ``weights_version`` and ``worker_index``.
         ``update_connectors=False`` keeps the observation normaliser fixed (evaluation).
+
+        Args:
+            num_timesteps: steps to take in all.
+            num_episodes: complete episodes to run.
+            explore: sample actions (True) or take the most likely (False; the config's if None).
+            random_actions: take uniformly random actions.
+            force_reset: reset the envs first.
+            policy_id: the policy that acts.
+            update_connectors: update the observation normaliser.
+
+        Returns:
+            The batch, a dict of numpy arrays.
+
+        Raises:
+            ValueError: both ``num_timesteps`` and ``num_episodes`` are given.
         """
         if num_timesteps is not None and num_episodes is not None:
             raise ValueError("give num_timesteps or num_episodes, not both")

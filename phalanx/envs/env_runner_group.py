@@ -32,7 +32,7 @@ from typing import Any
 import gymnasium as gym
 import torch
 
-from phalanx._base.checks import check_int, check_timeout
+from phalanx._base.checks import check_int, check_ranks, check_timeout
 from phalanx._base.errors import WorkerDiedError, WorkerError
 from phalanx.envs.config import EnvContext, EnvRunnerGroupConfig
 from phalanx.envs.env_runner import EnvCreator, EnvRunner, check_env_id, check_spaces, make_env
@@ -66,6 +66,35 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
     ``config`` is an :class:`EnvRunnerGroupConfig` (or a dict of its fields);
     ``num_env_runners=None`` takes the config's. ``cluster`` and ``name`` choose where the
     remote runners start and the group's name. Bad options raise before any worker starts.
+
+    Args:
+        env_creator: builds one env from an ``EnvContext``.
+        validate_env: called with each new env; raises to refuse it.
+        default_policy_class: the default policy's module class.
+        config: the config.
+        num_env_runners: remote runners (the config's if None).
+        local_env_runner: build a local runner too.
+        logdir: accepted for RLlib's signature.
+        tune_trial_id: accepted for RLlib's signature.
+        num_workers: RLlib's older name of ``num_env_runners`` (-1: not given).
+        local_worker: RLlib's older name of ``local_env_runner`` (-1: not given).
+        cluster: the cluster to start the runners on (if None, ``Cluster()``: the running Ray,
+            or a local one it starts).
+        name: the runners' group name.
+
+    Raises:
+        ValueError: an option is out of range or unknown.
+        TypeError: an option has the wrong type.
+
+    Example:
+        >>> import phalanx as px
+        >>> cluster = px.Cluster()
+        >>> runners = px.EnvRunnerGroup(
+        ...     config={"env": "CartPole-v1", "num_env_runners": 2, "rollout_fragment_length": 8},
+        ...     local_env_runner=False, cluster=cluster, name="example_runners")
+        >>> [batch["rewards"].shape for batch in runners.sample()]
+        [(8, 1), (8, 1)]
+        >>> runners.stop()
     """
 
     def __init__(
@@ -218,6 +247,10 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         A phalanx group has a fixed size, so adding to an existing group starts a new,
         larger group and hands it the current weights and connector state (the old
         runners' unfinished episodes are dropped).
+
+        Args:
+            num_workers: how many runners to add.
+            validate: accepted for RLlib's signature; the new runners are checked as they start.
         """
         check_int(num_workers, "num_workers", minimum=1)
         old = self._group
@@ -283,10 +316,8 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
             return None
         if isinstance(worker_ids, int):
             worker_ids = [worker_ids]
-        n = self.num_remote_workers()
-        for i in worker_ids:  # 0 is the local runner
-            check_int(i, f"{arg} (remote env runner ids are 1..{n})", minimum=1, maximum=n)
-        return [self._active[i - 1] for i in worker_ids]
+        ids = check_ranks(worker_ids, self.num_remote_workers(), arg, repeats="allow", first=1)
+        return [self._active[i - 1] for i in ids]
 
     # ------------------------------------------------------------------ counts and health
     @property
@@ -295,7 +326,11 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         return self._local
 
     def local_worker(self) -> EnvRunner | None:
-        """RLlib's older name of ``local_env_runner``."""
+        """RLlib's older name of ``local_env_runner``.
+
+        Returns:
+            The local ``EnvRunner``, or None.
+        """
         return self._local
 
     @property
@@ -304,33 +339,67 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         return self._group
 
     def num_remote_env_runners(self) -> int:
-        """The number of remote EnvRunners (healthy or not)."""
+        """The number of remote EnvRunners (healthy or not).
+
+        Returns:
+            The number of runners.
+        """
         return 0 if self._group is None else len(self._active)
 
     def num_remote_workers(self) -> int:
-        """RLlib's older name of ``num_remote_env_runners``."""
+        """RLlib's older name of ``num_remote_env_runners``.
+
+        Returns:
+            The number of runners.
+        """
         return self.num_remote_env_runners()
 
     def healthy_env_runner_ids(self) -> list[int]:
-        """Ids (1..n) of the remote runners in service."""
+        """Ids (1..n) of the remote runners in service.
+
+        Returns:
+            The ids, in order.
+        """
         return [self._id_of(r) for r in self._in_service()]
 
     def healthy_worker_ids(self) -> list[int]:
-        """RLlib's older name of ``healthy_env_runner_ids``."""
+        """RLlib's older name of ``healthy_env_runner_ids``.
+
+        Returns:
+            The ids, in order.
+        """
         return self.healthy_env_runner_ids()
 
     def num_healthy_remote_env_runners(self) -> int:
-        """The number of remote runners in service."""
+        """The number of remote runners in service.
+
+        Returns:
+            The number of runners.
+        """
         return len(self._in_service())
 
     def num_healthy_remote_workers(self) -> int:
+        """RLlib's older name of ``num_healthy_remote_env_runners``.
+
+        Returns:
+            The number of runners.
+        """
         return self.num_healthy_remote_env_runners()
 
     def num_healthy_env_runners(self) -> int:
-        """Remote runners in service, plus the local runner if there is one."""
+        """Remote runners in service, plus the local runner if there is one.
+
+        Returns:
+            The number of runners.
+        """
         return self.num_healthy_remote_env_runners() + (1 if self._local is not None else 0)
 
     def num_healthy_workers(self) -> int:
+        """RLlib's older name of ``num_healthy_env_runners``.
+
+        Returns:
+            The number of runners.
+        """
         return self.num_healthy_env_runners()
 
     def num_remote_env_runner_restarts(self) -> int:
@@ -340,17 +409,32 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         failure, whether its process was replaced or it only answered again. A runner
         whose process died in ``__init__`` while the group started, and was started again
         by the restart policy, counts once per restart as soon as the group exists.
+
+        Returns:
+            The number of restarts.
         """
         return 0 if self._group is None else self._group.num_remote_worker_restarts()
 
     def num_remote_worker_restarts(self) -> int:
-        """RLlib's older name of ``num_remote_env_runner_restarts``."""
+        """RLlib's older name of ``num_remote_env_runner_restarts``.
+
+        Returns:
+            The number of restarts.
+        """
         return self.num_remote_env_runner_restarts()
 
     def num_in_flight_async_reqs(
         self, tag: str | None = None, *, tags: str | list[str] | None = None
     ) -> int:
-        """Async requests sent and not yet fetched (of ``tag``/``tags``; default all)."""
+        """Async requests sent and not yet fetched (of ``tag``/``tags``; default all).
+
+        Args:
+            tag: one tag to count.
+            tags: one tag or a list of tags to count (every tag if neither is given).
+
+        Returns:
+            The number of requests.
+        """
         if self._group is None:
             return 0
         return self._group.num_in_flight_async_reqs(tags if tags is not None else tag)
@@ -363,11 +447,24 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         call ended), gives those that answer the current connector state, extra policies
         and weights, and puts them back in service (one restart each). Runners brought
         back since the last probe by a ``mark_healthy`` call are included.
+
+        Returns:
+            The ids of the runners back in service.
         """
         return self._probe(self.config.env_runner_health_probe_timeout_s)
 
     def probe_unhealthy_workers(self, timeout_seconds: float | None = None) -> list[int]:
-        """RLlib's older probe, with its timeout argument (default: the config's)."""
+        """RLlib's older probe, with its timeout argument (default: the config's).
+
+        Args:
+            timeout_seconds: seconds to wait for restarts under way (the config's if None).
+
+        Returns:
+            The ids of the runners back in service.
+
+        Raises:
+            ValueError: ``timeout_seconds`` is 0 or negative.
+        """
         if timeout_seconds is None:
             timeout_seconds = self.config.env_runner_health_probe_timeout_s
         if check_timeout(timeout_seconds, "timeout_seconds") == 0:
@@ -386,7 +483,14 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
     # ------------------------------------------------------------------ spaces
     def get_spaces(self) -> dict[str, tuple[gym.Space, gym.Space]]:
         """``{"__env__": (obs, act), policy_id: (obs, act), ...}`` from the local runner,
-        else from the first remote runner in service."""
+        else from the first remote runner in service.
+
+        Returns:
+            A dict from ``"__env__"`` and each policy id to ``(observation space, action space)``.
+
+        Raises:
+            RuntimeError: there is no local runner and no healthy remote runner.
+        """
         if self._local is not None:
             return self._local.get_spaces()
         ids = self.healthy_worker_ids()
@@ -406,6 +510,15 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         does not wait for restarts still under way). With no runner in service it waits
         for the first restart under way to finish (up to ``env_runner_health_probe_timeout_s``
         + 180 s); with none coming back it raises ``WorkerDiedError``.
+
+        Args:
+            **kwargs: each runner's ``sample`` arguments.
+
+        Returns:
+            The handle for ``collect_samples``, or None.
+
+        Raises:
+            WorkerDiedError: no remote runner is in service and none comes back.
         """
         if self._group is None:
             return None
@@ -467,6 +580,18 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         does not raise. A runner failing ``max_consecutive_env_runner_failures`` rounds
         in a row raises a ``WorkerError`` naming it and its last error. With no remote
         runners the local runner samples.
+
+        Args:
+            handle: the ``sample_async`` handle (None samples with the local runner).
+            **local_kwargs: the local runner's ``sample`` arguments.
+
+        Returns:
+            The batches, one per runner that delivered.
+
+        Raises:
+            RuntimeError: ``handle`` is None and there is no local runner.
+            WorkerError: a runner failed and the config neither restarts nor ignores failed
+                runners, or a runner failed too many rounds in a row.
         """
         if handle is None:
             if self._local is None:
@@ -510,7 +635,18 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
 
     def sample(self, **kwargs: Any) -> list[dict[str, Any]]:
         """One batch per remote runner in service (or from the local runner if there are
-        none); failed and stalled runners are left out as ``collect_samples`` says."""
+        none); failed and stalled runners are left out as ``collect_samples`` says.
+
+        Args:
+            **kwargs: each runner's ``sample`` arguments.
+
+        Returns:
+            The batches, one per runner that delivered.
+
+        Raises:
+            WorkerDiedError: no remote runner is in service and none comes back.
+            WorkerError: as for ``collect_samples``.
+        """
         return self.collect_samples(self.sample_async(**kwargs), **kwargs)
 
     # ------------------------------------------------------------------ lifecycle
@@ -520,6 +656,12 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
 
         RLlib takes raw actor handles here; phalanx runners are a group with health and
         restart state, so a group is what can be adopted.
+
+        Args:
+            new_remote_workers: the launched group of ``EnvRunner`` to adopt.
+
+        Raises:
+            TypeError: ``new_remote_workers`` is not a ``WorkerGroup`` of ``EnvRunner``.
         """
         if not isinstance(new_remote_workers, WorkerGroup):
             raise TypeError(

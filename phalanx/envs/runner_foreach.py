@@ -159,6 +159,26 @@ class RunnerForeach:
         ``mark_healthy`` (with ``healthy_only=False``) brings runners out of service that
         answer back, each counted as a restart. A result that cannot travel back (it does
         not pickle) raises ``TypeError`` naming the runner; the runner stays in service.
+
+        Args:
+            func: a function of the runner, a runner method's name, or a list of them.
+            kwargs: keyword arguments of ``func``.
+            local_env_runner: call the local runner too.
+            healthy_only: call only runners in service.
+            remote_worker_ids: the remote ids (1..n) to call (every runner if None).
+            timeout_seconds: seconds to wait (no bound if None).
+            return_obj_refs: return the ready results' Ray refs.
+            mark_healthy: runners out of service that answer are back in service.
+            local_worker: RLlib's older name of ``local_env_runner``.
+
+        Returns:
+            The results, the local runner's first.
+
+        Raises:
+            DispatchError: a list of functions does not match the runners selected.
+            TypeError: a result cannot travel back (it does not pickle).
+            WorkerError: a runner failed and the config neither restarts nor ignores failed
+                runners.
         """
         if local_worker is not None:
             local_env_runner = local_worker
@@ -201,7 +221,17 @@ class RunnerForeach:
         mark_healthy: bool = False,
         local_worker: bool | None = None,
     ) -> list[Any]:
-        """``func(worker_id, runner)`` on each runner (the local runner's id is 0)."""
+        """``func(worker_id, runner)`` on each runner (the local runner's id is 0).
+
+        Args:
+            func: a function of ``(worker_id, runner)``, or a runner method's name.
+            kwargs, local_env_runner, healthy_only, remote_worker_ids: as for
+                ``foreach_env_runner``.
+            timeout_seconds, return_obj_refs, mark_healthy, local_worker: the same.
+
+        Returns:
+            The results, the local runner's first.
+        """
         return self.foreach_env_runner(
             _with_worker_id,
             kwargs={"func": func, "kwargs": kwargs or {}},
@@ -227,7 +257,21 @@ class RunnerForeach:
     ) -> int:
         """Start ``func`` on the remote runners without waiting; returns how many requests
         were sent. A runner that already has ``max_requests_in_flight_per_env_runner``
-        requests of ``tag`` in flight gets none. Collect with ``fetch_ready_async_reqs``."""
+        requests of ``tag`` in flight gets none. Collect with ``fetch_ready_async_reqs``.
+
+        Args:
+            func: a function of the runner, a runner method's name, or a list of them.
+            tag: the requests' tag, for ``fetch_ready_async_reqs``.
+            kwargs: keyword arguments of ``func``.
+            healthy_only: call only runners in service.
+            remote_worker_ids: the remote ids (1..n) to call (every runner if None).
+
+        Returns:
+            The number of requests sent.
+
+        Raises:
+            TypeError: ``tag`` is not a str or None.
+        """
         if tag is not None and not isinstance(tag, str):
             raise TypeError(f"tag must be a str or None, got {type(tag).__name__}")
         if self._group is None:
@@ -257,7 +301,21 @@ class RunnerForeach:
         done. Waits up to ``timeout_seconds`` for every request in flight (None: until all
         are done; 0: only those done now). A failed request raises its error unless the
         config restarts or ignores failed runners; the other results of that fetch are
-        kept for the next one."""
+        kept for the next one.
+
+        Args:
+            tags: the tags whose requests to fetch (every tag if None).
+            timeout_seconds: seconds to wait for requests in flight.
+            return_obj_refs: return the results' Ray refs instead of their values.
+            mark_healthy: runners out of service that answered are back in service.
+
+        Returns:
+            A list of ``(worker_id, result)``.
+
+        Raises:
+            WorkerError: a request failed and the config neither restarts nor ignores failed
+                runners.
+        """
         if self._group is None:
             return []
         got = self._group.fetch_ready_async_reqs(
@@ -289,6 +347,23 @@ class RunnerForeach:
         in-flight limit are skipped), then a failed request raises as in
         ``fetch_ready_async_reqs``. Returns the fetched values, or ``(worker_id, value)``
         pairs with ``return_actor_ids``.
+
+        Args:
+            func: a function of the runner, a runner method's name, or a list of them.
+            kwargs: keyword arguments of ``func``.
+            tag: the requests' tag.
+            timeout_seconds: seconds to wait for requests in flight.
+            return_obj_refs: return the results' Ray refs instead of their values.
+            mark_healthy: runners out of service that answered are back in service.
+            healthy_only: send only to runners in service.
+            remote_worker_ids: the remote ids (1..n) to send to (every runner if None).
+            return_actor_ids: return ``(worker_id, value)`` pairs.
+
+        Returns:
+            The fetched values, or ``(worker_id, value)`` pairs.
+
+        Raises:
+            WorkerError: as for ``fetch_ready_async_reqs``.
         """
         send = dict(kwargs=kwargs, healthy_only=healthy_only, remote_worker_ids=remote_worker_ids)
         try:
@@ -305,13 +380,27 @@ class RunnerForeach:
         return got if return_actor_ids else [v for _, v in got]
 
     def foreach_env(self, func: Callable[[gym.Env], Any]) -> list[list[Any]]:
-        """``func(sub_env)`` for every sub-environment; one list per runner (local first)."""
+        """``func(sub_env)`` for every sub-environment; one list per runner (local first).
+
+        Args:
+            func: called with each sub-environment.
+
+        Returns:
+            One list of results per runner.
+        """
         return self.foreach_worker(_foreach_env, kwargs={"func": func})
 
     def foreach_env_with_context(
         self, func: Callable[[gym.Env, EnvContext], Any]
     ) -> list[list[Any]]:
-        """``func(sub_env, env_context)`` for every sub-environment; one list per runner."""
+        """``func(sub_env, env_context)`` for every sub-environment; one list per runner.
+
+        Args:
+            func: called with each sub-environment and its ``EnvContext``.
+
+        Returns:
+            One list of results per runner.
+        """
         return self.foreach_worker(_foreach_env_ctx, kwargs={"func": func})
 
 

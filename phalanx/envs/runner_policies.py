@@ -33,19 +33,43 @@ class RunnerPolicies:
     _policies_to_train: list[str] | None
 
     def foreach_policy(self, func: Callable[..., Any], **kwargs: Any) -> list[Any]:
-        """``func(policy, policy_id, **kwargs)`` for every policy of every runner (flat list)."""
+        """``func(policy, policy_id, **kwargs)`` for every policy of every runner (flat list).
+
+        Args:
+            func: called as ``func(policy, policy_id, **kwargs)``.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            The results of every runner, flat.
+        """
         results = self.foreach_worker(_foreach_policy, kwargs={"func": func, "kwargs": kwargs})
         return [x for per_runner in results for x in per_runner]
 
     def foreach_policy_to_train(self, func: Callable[..., Any], **kwargs: Any) -> list[Any]:
-        """Like ``foreach_policy`` for the policies in ``policies_to_train`` only."""
+        """Like ``foreach_policy`` for the policies in ``policies_to_train`` only.
+
+        Args:
+            func: called as ``func(policy, policy_id, **kwargs)``.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            The results of every runner, flat.
+        """
         results = self.foreach_worker(
             _foreach_policy, kwargs={"func": func, "kwargs": kwargs, "to_train": True}
         )
         return [x for per_runner in results for x in per_runner]
 
     def is_policy_to_train(self, policy_id: str, batch: Any = None) -> bool:
-        """Whether ``policy_id`` is trained (all policies are unless ``policies_to_train`` says)."""
+        """Whether ``policy_id`` is trained (all policies are unless ``policies_to_train`` says).
+
+        Args:
+            policy_id: the policy's id.
+            batch: accepted for RLlib's signature.
+
+        Returns:
+            Whether it is trained.
+        """
         return self._policies_to_train is None or policy_id in self._policies_to_train
 
     def add_policy(
@@ -66,6 +90,25 @@ class RunnerPolicies:
         Give a ``policy`` instance (its weights go along) or a ``policy_cls`` built as
         ``policy_cls(observation_space, action_space, **config)``. ``policies_to_train``
         replaces the trained set. Returns the local runner's new policy (if any).
+
+        Args:
+            policy_id: the new policy's id.
+            policy_cls: a module class, built as ``policy_cls(obs_space, act_space, **config)``.
+            policy: a module instance (its weights go along).
+            observation_space: the policy's observation space (the env's if None).
+            action_space: the policy's action space (the env's if None).
+            config: keyword arguments of ``policy_cls``.
+            policy_state: a state dict loaded into the new policy.
+            policies_to_train: the new set of trained policies.
+            workers: the remote ids (1..n) that get it (every runner if None).
+
+        Returns:
+            The local runner's new policy, or None.
+
+        Raises:
+            ValueError: ``policy_id`` is empty or has a ``.``, or ``policy`` is given with
+                neither ``observation_space`` nor ``config``.
+            TypeError: ``policy`` or ``policy_cls`` is not a torch module.
         """
         if not isinstance(policy_id, str) or not policy_id or "." in policy_id:
             raise ValueError(f"policy_id must be a non-empty str without '.', got {policy_id!r}")

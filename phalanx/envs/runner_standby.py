@@ -80,11 +80,19 @@ class RunnerStandby:
         return [r for r in self._all_ranks() if r in up]
 
     def num_standby_env_runners(self) -> int:
-        """Standby runners of the group (in service or being restarted)."""
+        """Standby runners of the group (in service or being restarted).
+
+        Returns:
+            The number of runners.
+        """
         return len(self._spares)
 
     def num_healthy_standby_env_runners(self) -> int:
-        """Standby runners in service, ready to take over a failed runner's id."""
+        """Standby runners in service, ready to take over a failed runner's id.
+
+        Returns:
+            The number of runners.
+        """
         if self._group is None:
             return 0
         up = set(self._group.healthy_worker_ids())

@@ -68,6 +68,20 @@ class RunnerWeights:
         the next sync completes it), None or > 0 blocks until applied. Returns the
         weight layer's ``SyncResult`` (None while a fire-and-forget send is in flight).
         ``global_vars`` are set on every runner (``runner.global_vars``).
+
+        Args:
+            policies: the policies to send (every policy if None).
+            from_worker_or_learner_group: where the weights come from, as above.
+            to_worker_indices: the remote ids (1..n) to update.
+            global_vars: values set as every runner's ``global_vars``.
+            timeout_seconds: 0 returns once the send started; None or > 0 waits.
+            inference_only: accepted for RLlib's signature.
+
+        Returns:
+            The ``SyncResult``, or None while a fire-and-forget send is in flight.
+
+        Raises:
+            WeightMismatchError: a runner's policy does not match the weights.
         """
         from phalanx.weights import WeightSender
 
@@ -190,6 +204,24 @@ class RunnerWeights:
         ``sync_weights``). ``env_to_module``/``module_to_env`` (RLlib's connector pipeline
         objects) have no counterpart here and raise ``ValueError``.
         Returns the merged connector state (``{}`` without observation normalisation).
+
+        Args:
+            config: an object read for ``merge_env_runner_states`` and
+                ``broadcast_env_runner_states``.
+            from_worker: a runner whose state joins the merge.
+            env_steps_sampled: every runner's new ``num_env_steps_sampled``.
+            connector_states: the runners' states to merge (fetched if None).
+            rl_module_state: weights sent to the same runners.
+            env_runner_indices_to_update: the remote ids (1..n) to update.
+            env_to_module: not supported.
+            module_to_env: not supported.
+
+        Returns:
+            The merged connector state.
+
+        Raises:
+            ValueError: ``env_to_module`` or ``module_to_env`` is given.
+            TypeError: ``rl_module_state`` is not a dict.
         """
         for name, value in (("env_to_module", env_to_module), ("module_to_env", module_to_env)):
             if value is not None:
@@ -257,11 +289,19 @@ class RunnerWeights:
         return {"obs_norm": self._obs_norm.get_state()}
 
     def get_connector_state(self) -> dict[str, Any]:
-        """The merged connector state (what a checkpoint keeps)."""
+        """The merged connector state (what a checkpoint keeps).
+
+        Returns:
+            ``{"obs_norm": state}``, or ``{}`` without observation normalisation.
+        """
         return {} if self._obs_norm is None else {"obs_norm": self._obs_norm.get_state()}
 
     def set_connector_state(self, state: dict[str, Any]) -> None:
-        """Set the merged connector state on every runner (e.g. from a checkpoint)."""
+        """Set the merged connector state on every runner (e.g. from a checkpoint).
+
+        Args:
+            state: a state from ``get_connector_state``.
+        """
         if not state or state.get("obs_norm") is None or not self.config.normalize_observations:
             return
         shape = np.asarray(state["obs_norm"]["mean"]).shape

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from phalanx._base.checks import check_rank
+from phalanx._base.checks import check_ranks
 from phalanx.group.sharding import NamedSharding
 
 Call = tuple[int, tuple, dict]
@@ -54,42 +54,13 @@ def funcs_mismatch(funcs: int, ranks: int, workers: str = "workers") -> Dispatch
     )
 
 
-def _bad_ranks(ranks: list[Any], world_size: int) -> tuple[list[Any], list[Any]]:
-    """``(not ints, out of range)`` among ``ranks``, by ``checks.check_rank``'s rule."""
-    not_int, out = [], []
-    for r in ranks:
-        try:
-            check_rank(r, world_size)
-        except TypeError:
-            not_int.append(r)
-        except ValueError:
-            out.append(r)
-    return not_int, out
-
-
-def check_ranks(ranks: Iterable[Any], world_size: int, arg: str) -> list[int]:
-    """``ranks`` as a list, or a ``TypeError``/``ValueError`` naming ``arg``."""
-    ranks = list(ranks)
-    not_int, bad = _bad_ranks(ranks, world_size)
-    if not_int:
-        raise TypeError(f"{arg}: ranks must be int ranks, got {not_int!r}")
-    if bad:
-        raise ValueError(f"{arg}: ranks {bad} out of range for {world_size} workers")
-    return [int(r) for r in ranks]
-
-
 def execute_on(ranks: tuple[Any, ...], world_size: int, group: str) -> list[int]:
     """The ranks of ``group.execute_on(*ranks)`` (a single list or tuple is unpacked)."""
     if len(ranks) == 1 and isinstance(ranks[0], (list, tuple)):
         ranks = tuple(ranks[0])
     if not ranks:
         raise ValueError("execute_on needs at least one rank")
-    not_int, bad = _bad_ranks(list(ranks), world_size)
-    if not_int:
-        raise TypeError(f"execute_on: each rank must be an int rank, got {not_int!r}")
-    if bad:
-        raise ValueError(f"ranks {bad} out of range for group {group} of {world_size} workers")
-    return [int(r) for r in ranks]
+    return check_ranks(ranks, world_size, "execute_on", repeats="allow", group=group)
 
 
 def broadcast(ranks: Sequence[int], args: tuple, kwargs: dict) -> list[Call]:
@@ -266,7 +237,7 @@ def foreach_select(
     else:
         if not isinstance(remote_worker_ids, (list, tuple)):
             raise TypeError("remote_worker_ids must be a list of ranks")
-        ranks = check_ranks(remote_worker_ids, world_size, "remote_worker_ids")
+        ranks = check_ranks(remote_worker_ids, world_size, "remote_worker_ids", repeats="allow")
     funcs = func if isinstance(func, list) else None
     if funcs is not None and len(funcs) != len(ranks):
         raise funcs_mismatch(len(funcs), len(ranks))
@@ -444,7 +415,6 @@ __all__ = [
     "ShardedPlan",
     "ForeachPlan",
     "broadcast",
-    "check_ranks",
     "execute_on",
     "foreach",
     "foreach_select",

@@ -75,30 +75,31 @@ class WorkerHealth(str, enum.Enum):
 class RestartPolicy:
     """How a group reacts when a worker's actor dies.
 
-    Defaults aim at fast recovery (about a second or two on a laptop-class machine):
+    Defaults aim at fast recovery (about a second or two on a laptop-class machine).
 
-    - ``max_restarts_per_worker=5``: a rank that keeps dying is given up after 5 restart
-      attempts (it becomes ``dead``), so a crash loop cannot go on forever.
-    - ``restart_window_s=None``: the per-rank limit counts over the group's whole life.
-      With a number, only attempts in the last ``restart_window_s`` seconds count
-      (``max_restarts_per_worker`` restarts per window), as long jobs need.
-    - ``max_restarts_total=None``: no limit over the whole group besides the per-rank one.
-    - ``delay_s=0.0``: restart at once. RLlib waits 60 s by default; a recreated actor
-      is ready once its process starts, and the per-rank limit already stops thrashing.
-    - ``health_probe_timeout_s=30.0``: how long a ping, a ``set_state`` restore or the
-      start of a recreated actor may take before the rank counts as unhealthy.
-    - ``ignore_failures=False``: a call that meets a dead worker raises an error naming the
-      rank. With ``True`` broadcast-style calls go on with the workers left (sharded or
-      per-worker data calls never drop a shard: they restart the rank first or raise).
-    - ``restart_on_error=False``: an exception raised by the worker's code leaves it
-      healthy. ``True`` is RLlib's rule: the worker is marked unhealthy and restarted
-      (or left out, with ``ignore_failures``) as if it had died.
-    - ``until_probed=False``: ``True`` is RLlib's service rule (see the module
-      docstring): a failed rank stays out of service until a probe brings it back, and
-      restarts are counted when that happens.
-    - ``capture_state_from="get_state"``: results of this worker method, returned by any
-      call style, are kept per rank and given to ``set_state`` after that rank restarts
-      (``None``: only states given to ``group.register_state`` are restored).
+    Attributes:
+        max_restarts_per_worker: (default ``5``) a rank that keeps dying is given up after 5 restart
+            attempts (it becomes ``dead``), so a crash loop cannot go on forever.
+        restart_window_s: (default ``None``) the per-rank limit counts over the group's whole life.
+            With a number, only attempts in the last ``restart_window_s`` seconds count
+            (``max_restarts_per_worker`` restarts per window), as long jobs need.
+        max_restarts_total: (default ``None``) no limit over the whole group besides the per-rank one.
+        delay_s: (default ``0.0``) restart at once. RLlib waits 60 s by default; a recreated actor
+            is ready once its process starts, and the per-rank limit already stops thrashing.
+        health_probe_timeout_s: (default ``30.0``) how long a ping, a ``set_state`` restore or the
+            start of a recreated actor may take before the rank counts as unhealthy.
+        ignore_failures: (default ``False``) a call that meets a dead worker raises an error naming the
+            rank. With ``True`` broadcast-style calls go on with the workers left (sharded or
+            per-worker data calls never drop a shard: they restart the rank first or raise).
+        restart_on_error: (default ``False``) an exception raised by the worker's code leaves it
+            healthy. ``True`` is RLlib's rule: the worker is marked unhealthy and restarted
+            (or left out, with ``ignore_failures``) as if it had died.
+        until_probed: (default ``False``) ``True`` is RLlib's service rule (see the module
+            docstring): a failed rank stays out of service until a probe brings it back, and
+            restarts are counted when that happens.
+        capture_state_from: (default ``"get_state"``) results of this worker method, returned by any
+            call style, are kept per rank and given to ``set_state`` after that rank restarts
+            (``None``: only states given to ``group.register_state`` are restored).
 
     The policy also covers start-up: a worker whose process dies in ``__init__`` is
     started again (counted against its restarts) instead of failing the launch.
@@ -136,7 +137,14 @@ class RestartPolicy:
 
     @classmethod
     def never(cls, ignore_failures: bool = False) -> RestartPolicy:
-        """Track health, never restart."""
+        """Track health, never restart.
+
+        Args:
+            ignore_failures: leave failed workers out instead of raising.
+
+        Returns:
+            The policy.
+        """
         return cls(max_restarts_per_worker=0, max_restarts_total=0, ignore_failures=ignore_failures)
 
     @classmethod
@@ -152,7 +160,18 @@ class RestartPolicy:
         """RLlib's failure rule (its ``EnvRunnerGroup`` and ``FaultTolerantActorManager``):
         any error takes a worker out of service until a probe; with ``restart`` its
         process is replaced at once (up to ``max_restarts`` times), else a probe that it
-        answers brings it back. Only states given to ``register_state`` are restored."""
+        answers brings it back. Only states given to ``register_state`` are restored.
+
+        Args:
+            restart: replace a failed worker's process.
+            max_restarts: the most restarts per worker.
+            delay_s: seconds between a failure and its restart.
+            health_probe_timeout_s: seconds a probe waits.
+            ignore_failures: leave failed workers out instead of raising.
+
+        Returns:
+            The policy.
+        """
         return cls(
             max_restarts_per_worker=max_restarts if restart else 0,
             max_restarts_total=None if restart else 0,
@@ -166,12 +185,21 @@ class RestartPolicy:
 
     @property
     def restarts_enabled(self) -> bool:
+        """Whether this policy restarts any worker."""
         return self.max_restarts_per_worker > 0 and self.max_restarts_total != 0
 
 
 @dataclass(frozen=True)
 class HealthEvent:
-    """One health transition of one rank (``group.health_events()``)."""
+    """One health transition of one rank (``group.health_events()``).
+
+    Attributes:
+        rank: the rank.
+        old: its health before.
+        new: its health after.
+        reason: why it changed.
+        time: when (``time.time()``).
+    """
 
     rank: int
     old: WorkerHealth

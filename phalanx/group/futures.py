@@ -83,6 +83,12 @@ class GroupHandle:
 
     ``wait()`` returns one result per called rank, in rank order (without the ranks in
     ``skipped``: left out because they were dead, with ``ignore_failures``).
+
+    Args:
+        group: the group that made the call.
+        method: the method's name.
+        ranks: the called ranks.
+        refs: one Ray ref (or generator) per called rank.
     """
 
     __slots__ = ("group", "method", "ranks", "refs", "skipped", "_durations")
@@ -105,6 +111,18 @@ class GroupHandle:
         with their stacks where they could be taken. ``timeout=0`` polls: the results if every rank finished, else a
         ``GroupTimeoutError`` naming the ranks still running (no hang report is written).
         A negative timeout is a ``ValueError``.
+
+        Args:
+            timeout: seconds to wait (``None``: no bound; 0 polls).
+
+        Returns:
+            The results in rank order.
+
+        Raises:
+            WorkerError: a rank's method raised (``WorkerDiedError`` when its process died).
+            HangTimeoutError: the time ran out.
+            GroupTimeoutError: ``timeout=0`` and some ranks are still running.
+            ValueError: ``timeout`` is negative.
         """
         if _trace.ON:
             with _trace.traced_wait(self):
@@ -122,7 +140,11 @@ class GroupHandle:
         return values
 
     def done(self) -> bool:
-        """True when every called rank has finished (successfully or not)."""
+        """True when every called rank has finished (successfully or not).
+
+        Returns:
+            True when every called rank finished.
+        """
         plain = [r for r in self.refs if isinstance(r, ray.ObjectRef)]
         if len(plain) != len(self.refs):
             return all(getattr(g, "is_finished", lambda: False)() for g in self.refs)
@@ -130,7 +152,11 @@ class GroupHandle:
         return len(ready) == len(plain)
 
     async def async_wait(self) -> list[Any]:
-        """Await the results without blocking the event loop."""
+        """Await the results without blocking the event loop.
+
+        Returns:
+            The results in rank order.
+        """
         if all(isinstance(r, ray.ObjectRef) for r in self.refs):
             await asyncio.wait([asyncio.wrap_future(r.future()) for r in self.refs])
         return await asyncio.get_running_loop().run_in_executor(None, self.wait, None)
@@ -139,7 +165,14 @@ class GroupHandle:
         return self.async_wait().__await__()
 
     def consume_durations(self, reduce: str = "max") -> dict[str, float]:
-        """Timer totals recorded by the called ranks since their last consume, reduced across ranks."""
+        """Timer totals recorded by the called ranks since their last consume, reduced across ranks.
+
+        Args:
+            reduce: how to combine the ranks' totals: ``"max"``, ``"mean"``, ``"min"`` or ``"sum"``.
+
+        Returns:
+            A dict from timer tag to seconds.
+        """
         if self._durations is None:
             actors = self.group.actors
             per_rank = ray.get(
@@ -158,6 +191,12 @@ class MultiWorkerFuture:
 
     ``method`` names the call in errors (set by the group; for a future built from bare
     refs the group looks it up).
+
+    Attributes:
+        futures: one Ray ref per called worker.
+        return_from_workers: the workers whose results ``get_results`` returns (all if None).
+        called_workers: the workers called, in the order of ``futures``.
+        method: the method's name.
     """
 
     futures: list[Any]
@@ -190,6 +229,18 @@ class MultiWorkerFuture:
 
         For generator methods, items of all selected workers are concatenated in worker
         order, or with ``return_generators_as_proxies`` the generators are returned as is.
+
+        Args:
+            worker_group: the group that made the call.
+            return_generators_as_proxies: return generator methods' generators as they are.
+            timeout: seconds to wait (``None``: no bound).
+
+        Returns:
+            The results of the selected workers, in worker order.
+
+        Raises:
+            WorkerError: a worker's method raised.
+            HangTimeoutError: the time ran out.
         """
         selected = self._selected()
         if return_generators_as_proxies:

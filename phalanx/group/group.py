@@ -38,7 +38,7 @@ from typing import Any
 
 import ray
 
-from phalanx._base.checks import check_int, check_number, check_timeout
+from phalanx._base.checks import check_int, check_number, check_ranks, check_timeout
 from phalanx.group import dispatch
 from phalanx.group import hang as _hang
 from phalanx.group.collect import Collector
@@ -118,6 +118,33 @@ class WorkerGroup(NemoFace, RllibFace):
                        bundle_indices_list=None, sharding_annotations=NamedSharding(...))
 
     RLinf form, launched later: ``Cls.create_group(cfg).launch(cluster, placement, name)``.
+
+    Args:
+        cluster: a ``RayVirtualCluster`` to launch on at once (NeMo-RL form); None leaves
+            the group unlaunched until ``launch()`` (RLinf form).
+        remote_worker_builder: the ``RayWorkerBuilder`` of the worker class.
+        workers_per_node: workers per node (an int for every node, or a list per node).
+        name_prefix: the group's name, or its prefix.
+        bundle_indices_list: ``(node, bundle indices)`` per worker, to place them by hand.
+        sharding_annotations: the ``NamedSharding`` of the workers over named axes.
+        env_vars: environment variables every worker gets.
+        launch_timeout_s: seconds the workers may take to start.
+        restart_policy: restart failed workers by this policy (None: no restarts).
+
+    Raises:
+        ValueError: ``remote_worker_builder`` is missing.
+        TypeError: ``remote_worker_builder`` is not a ``RayWorkerBuilder`` or ``cluster``
+            not a ``RayVirtualCluster``.
+
+    Example:
+        >>> import phalanx as px
+        >>> cluster = px.Cluster()
+        >>> group = px.Worker.create_group().launch(
+        ...     cluster, px.NodePlacement(num_workers=2), name="example_group")
+        >>> group.apply(lambda w, x: w.rank * x, [(0, (10,), {}), (1, (10,), {})]).wait()
+        [0, 10]
+        >>> group.shutdown()
+        True
     """
 
     WorkerRank = WorkerRank  # RLinf's ``WorkerGroup.WorkerRank`` (see ``worker_info_list``)
@@ -193,6 +220,28 @@ class WorkerGroup(NemoFace, RllibFace):
         at once (default 1: calls run one after another). ``isolate_gpu`` (RLinf): whether
         each worker of an RLinf ``PlacementStrategy`` sees only its own GPUs (``None``:
         RLinf's default, True); phalanx placements take it when built instead.
+
+        Args:
+            cluster: the ``Cluster`` or ``RayVirtualCluster`` to place on (if None, ``Cluster()``:
+                the running Ray, or a local one it starts).
+            placement: how the workers are placed (one per GPU, or one CPU worker per node, if None).
+            name: the group's name (derived from the class if None).
+            max_concurrency: calls each worker's actor runs at once.
+            isolate_gpu: each worker sees only its own GPUs (RLinf placements).
+            placement_strategy: RLinf's name for ``placement``.
+            sharding: the ``NamedSharding`` of the workers.
+            env_vars: environment variables every worker gets.
+            timeout_s: seconds the workers may take to start.
+            restart_policy: restart failed workers by this policy.
+
+        Returns:
+            The group, launched.
+
+        Raises:
+            RuntimeError: the group is already launched.
+            ValueError: both ``placement`` and ``placement_strategy`` are given, or an argument
+                is out of range.
+            TypeError: ``placement`` or ``cluster`` has the wrong type.
         """
         if self._state == _RUNNING:
             raise RuntimeError(f"group {self.name!r} is already launched")
@@ -418,14 +467,38 @@ class WorkerGroup(NemoFace, RllibFace):
         return _GroupMethod(self, name, None)
 
     def execute_on(self, *ranks: int) -> _RankView:
-        """The group restricted to ``ranks`` for the next call: ``g.execute_on(0, 3).hello()``."""
+        """The group restricted to ``ranks`` for the next call: ``g.execute_on(0, 3).hello()``.
+
+        Args:
+            *ranks: the ranks the next call runs on.
+
+        Returns:
+            A view of the group whose method calls run on ``ranks`` only.
+
+        Raises:
+            ValueError: no rank is given or a rank is out of range.
+            TypeError: a rank is not an int.
+        """
         self._check_live()
         return _RankView(self, dispatch.execute_on(ranks, self.world_size, self.name))
 
     def call(
         self, method: str, *args: Any, ranks: list[int] | None = None, **kwargs: Any
     ) -> GroupHandle:
-        """Call ``method`` on ``ranks`` (default all) with the same arguments."""
+        """Call ``method`` on ``ranks`` (default all) with the same arguments.
+
+        Args:
+            method: the worker method's name.
+            *args, **kwargs: its arguments, the same for every rank.
+            ranks: the ranks to call (every rank if None).
+
+        Returns:
+            A ``GroupHandle``; its ``wait()`` returns the results in rank order.
+
+        Raises:
+            UnknownMethodError: the worker class has no such public method.
+            ValueError: a rank is out of range.
+        """
         if ranks is None:
             calls = dispatch.broadcast(self._all_ranks, args, kwargs)
             return self._call(method, calls, health=self._broadcast_health())
@@ -439,6 +512,18 @@ class WorkerGroup(NemoFace, RllibFace):
 
         A rank that is not healthy is waited for or restarted first; with
         ``skip_unhealthy`` it is left out and listed in the handle's ``skipped``.
+
+        Args:
+            method: the worker method's name.
+            calls: ``[(rank, args, kwargs), ...]``.
+            skip_unhealthy: leave unhealthy ranks out instead of waiting for them.
+
+        Returns:
+            A ``GroupHandle`` over the called ranks.
+
+        Raises:
+            UnknownMethodError: the worker class has no such public method.
+            ValueError: a rank is out of range.
         """
         self._check_ranks([c[0] for c in calls], "calls")
         return self._call(method, calls, health="skip" if skip_unhealthy else "restart")
@@ -456,6 +541,19 @@ class WorkerGroup(NemoFace, RllibFace):
         ``calls`` is ``[(rank, args, kwargs), ...]``; ``fn`` is pickled to each worker and
         runs like a method call (same error wrapping, weights lock and health handling).
         ``label`` names the call in errors and traces (default: ``fn``'s name).
+
+        Args:
+            fn: called as ``fn(worker, *args, **kwargs)`` on each rank.
+            calls: ``[(rank, args, kwargs), ...]``.
+            label: the call's name in errors and traces.
+            skip_unhealthy: leave unhealthy ranks out instead of waiting for them.
+
+        Returns:
+            A ``GroupHandle`` over the called ranks.
+
+        Raises:
+            TypeError: ``fn`` is not callable.
+            ValueError: a rank is out of range.
         """
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
@@ -468,6 +566,15 @@ class WorkerGroup(NemoFace, RllibFace):
 
         Every registered hook runs, in registration order (the weights layer re-sends the
         latest weights this way). Returns a function that removes the hook.
+
+        Args:
+            hook: called with the list of restarted ranks.
+
+        Returns:
+            A function that removes the hook.
+
+        Raises:
+            TypeError: ``hook`` is not callable.
         """
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {type(hook).__name__}")
@@ -480,7 +587,11 @@ class WorkerGroup(NemoFace, RllibFace):
         return remove
 
     def run_restart_hooks(self, ranks: list[int]) -> None:
-        """Run every restart hook for ``ranks`` (called by the restart machinery)."""
+        """Run every restart hook for ``ranks`` (called by the restart machinery).
+
+        Args:
+            ranks: the restarted ranks.
+        """
         for hook in list(self._restart_hooks):
             hook(ranks)
 
@@ -488,7 +599,18 @@ class WorkerGroup(NemoFace, RllibFace):
         self, method: str, hook: Callable[[list[int], list[Any]], None]
     ) -> Callable[[], None]:
         """Run ``hook(ranks, values)`` with the results of every call of ``method`` that
-        the group collects (any call style). Returns a function that removes the hook."""
+        the group collects (any call style). Returns a function that removes the hook.
+
+        Args:
+            method: the worker method whose results the hook gets.
+            hook: called with the ranks and their results.
+
+        Returns:
+            A function that removes the hook.
+
+        Raises:
+            TypeError: ``method`` is not a str or ``hook`` is not callable.
+        """
         if not isinstance(method, str):
             raise TypeError(f"method must be a method name, got {type(method).__name__}")
         if not callable(hook):
@@ -520,11 +642,12 @@ class WorkerGroup(NemoFace, RllibFace):
 
     @property
     def world_size(self) -> int:
+        """The number of workers in the group."""
         return len(self._roster.actors)
 
     def _check_ranks(self, ranks: Any, arg: str) -> list[int]:
         self._check_live()
-        return dispatch.check_ranks(ranks, self.world_size, arg)
+        return check_ranks(ranks, self.world_size, arg, repeats="allow")
 
     # ------------------------------------------------------------------ health
     @property
@@ -537,16 +660,35 @@ class WorkerGroup(NemoFace, RllibFace):
         return "skip" if self._fault.policy.ignore_failures else "restart"
 
     def health(self) -> dict[int, WorkerHealth]:
-        """Health of every rank: healthy, unhealthy, restarting or dead (for good)."""
+        """Health of every rank: healthy, unhealthy, restarting or dead (for good).
+
+        Returns:
+            A dict from rank to its ``WorkerHealth``.
+        """
         return dict(enumerate(self._fault.health()))
 
     def health_events(self) -> list[HealthEvent]:
-        """Every health transition so far, oldest first."""
+        """Every health transition so far, oldest first.
+
+        Returns:
+            The list of ``HealthEvent``.
+        """
         return self._fault.events()
 
     def wait_healthy(self, timeout_seconds: float = 60.0, ranks: list[int] | None = None) -> bool:
         """Block until ``ranks`` (default all) are healthy; False if the time ran out or a
-        rank is unhealthy or dead with no restart under way."""
+        rank is unhealthy or dead with no restart under way.
+
+        Args:
+            timeout_seconds: the longest wait.
+            ranks: the ranks to wait for (every rank if None).
+
+        Returns:
+            True when every rank is healthy.
+
+        Raises:
+            ValueError: a rank is out of range.
+        """
         ranks = self._all_ranks if ranks is None else self._check_ranks(ranks, "ranks")
         return self._fault.wait_healthy(ranks, timeout_seconds)
 
@@ -555,6 +697,13 @@ class WorkerGroup(NemoFace, RllibFace):
 
         The group also remembers each rank's last result of the policy's
         ``capture_state_from`` method (``get_state`` by default).
+
+        Args:
+            rank: the rank (every rank if None).
+            state: what its ``set_state`` gets after a restart.
+
+        Raises:
+            ValueError: the worker class has no ``set_state`` method, or ``rank`` is out of range.
         """
         ranks = self._all_ranks if rank is None else self._check_ranks([rank], "rank")
         if "set_state" not in self._roster.methods:
@@ -565,7 +714,12 @@ class WorkerGroup(NemoFace, RllibFace):
 
     def set_watchdog(self, after_seconds: float | None, stream: Any = None) -> None:
         """Print a hang report for any call of this group running longer than ``after_seconds``
-        (``None`` turns it off)."""
+        (``None`` turns it off).
+
+        Args:
+            after_seconds: seconds a call may run before its hang report is printed.
+            stream: where the report goes (stderr if None).
+        """
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
@@ -586,6 +740,14 @@ class WorkerGroup(NemoFace, RllibFace):
         Returns whether the cleanup succeeded. Every actor (those being restarted
         included), its name and the initializer are released, and this returns within
         about ``timeout`` seconds (default 30). Calls on the group afterwards raise.
+
+        Args:
+            cleanup_method: a worker method to run on every worker first.
+            timeout: seconds the cleanup may take.
+            force: skip the cleanup.
+
+        Returns:
+            Whether the cleanup succeeded (True when there was none).
         """
         if self._state != _RUNNING:
             return True

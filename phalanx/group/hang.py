@@ -64,7 +64,17 @@ def hang_dir() -> str:
 
 @dataclass
 class HangReport:
-    """Stacks of the ranks of one group call that had not finished after ``elapsed_s``."""
+    """Stacks of the ranks of one group call that had not finished after ``elapsed_s``.
+
+    Attributes:
+        group: the group's name.
+        method: the method's name.
+        elapsed_s: seconds the call had run.
+        pending_ranks: the ranks still running.
+        stacks: each pending rank's thread stacks, as text.
+        workers: each pending rank's actor name, pid and node.
+        path: the file it was written to (``""`` until ``write``).
+    """
 
     group: str
     method: str
@@ -75,6 +85,11 @@ class HangReport:
     path: str = ""
 
     def text(self) -> str:
+        """The report as text: the call, the ranks still running and their stacks.
+
+        Returns:
+            The text.
+        """
         lines = [
             f"phalanx hang report: {self.group}.{self.method}() still running after "
             f"{self.elapsed_s:.1f}s on ranks {self.pending_ranks}",
@@ -91,7 +106,14 @@ class HangReport:
         return "\n".join(lines) + "\n"
 
     def innermost(self, rank: int) -> str:
-        """The innermost frame of the thread running the call (best guess), as text."""
+        """The innermost frame of the thread running the call (best guess), as text.
+
+        Args:
+            rank: the rank.
+
+        Returns:
+            ``function (file:line)``, or ``""`` if unknown.
+        """
         stack = self.stacks.get(rank, "")
         best = ""
         if stack.startswith("(py-spy)"):
@@ -112,6 +134,14 @@ class HangReport:
         return best
 
     def write(self, directory: str | None = None) -> str:
+        """Write the report to a new file in ``directory``.
+
+        Args:
+            directory: where (the hang-report directory if None).
+
+        Returns:
+            The file's path.
+        """
         directory = directory or hang_dir()
         os.makedirs(directory, exist_ok=True)
         stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -127,6 +157,18 @@ class HangTimeoutError(GroupTimeoutError):
     """A group call timed out; ``report`` (and the file at ``report_path``) has the stacks.
 
     ``results`` maps each rank that did finish to its result (or its exception).
+
+    Args:
+        group: the group's name.
+        method: the method's name.
+        pending_ranks: the ranks that did not answer.
+        timeout: the seconds waited.
+        report: the hang report's text.
+        report_path: the file it was written to.
+        results: the finished ranks' results or exceptions.
+        where: each pending rank's innermost frame.
+        silent: the ranks whose health probe went unanswered.
+        silence_s: how long those were silent.
     """
 
     def __init__(
@@ -325,6 +367,11 @@ class Watchdog:
 
     Each call is reported once. The check runs on a daemon thread every
     ``min(1, after_s / 4)`` seconds and only asks Ray whether a call is done.
+
+    Args:
+        group: the group to watch.
+        after_s: seconds a call may run before it is reported.
+        stream: where reports go (stderr if None).
     """
 
     def __init__(self, group: Members, after_s: float, stream: Any = None):
@@ -342,6 +389,11 @@ class Watchdog:
         self._thread.start()
 
     def track(self, handle: Watched) -> None:
+        """Watch ``handle`` from now on.
+
+        Args:
+            handle: the call's handle.
+        """
         with self._lock:
             self._calls.append((time.monotonic(), handle))
 

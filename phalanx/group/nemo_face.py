@@ -76,10 +76,12 @@ class NemoFace:
 
     @property
     def master_address(self) -> str:
+        """The IP address of rank 0, for ``torch.distributed`` rendezvous."""
         return self._roster.master_address
 
     @property
     def master_port(self) -> int:
+        """A free port on rank 0's node, for ``torch.distributed`` rendezvous."""
         return self._roster.master_port
 
     @property
@@ -88,7 +90,17 @@ class NemoFace:
         return len(self.dp_leader_worker_indices)
 
     def get_dp_leader_worker_idx(self, dp_shard_idx: int) -> int:
-        """The rank that leads data-parallel shard ``dp_shard_idx``."""
+        """The rank that leads data-parallel shard ``dp_shard_idx``.
+
+        Args:
+            dp_shard_idx: the data-parallel shard.
+
+        Returns:
+            The rank of its leader.
+
+        Raises:
+            IndexError: ``dp_shard_idx`` is out of range.
+        """
         check_int(dp_shard_idx, "dp_shard_idx")
         if not 0 <= dp_shard_idx < self.dp_size:
             raise IndexError(f"dp_shard_idx {dp_shard_idx} out of range 0..{self.dp_size - 1}")
@@ -97,7 +109,20 @@ class NemoFace:
     def run_single_worker_single_data(
         self, method_name: str, worker_idx: int, *args: Any, **kwargs: Any
     ) -> ray.ObjectRef:
-        """Run ``method_name`` on one worker; returns its Ray future."""
+        """Run ``method_name`` on one worker; returns its Ray future.
+
+        Args:
+            method_name: the worker method's name.
+            worker_idx: the worker's rank.
+            *args, **kwargs: its arguments.
+
+        Returns:
+            The Ray future of its result.
+
+        Raises:
+            UnknownMethodError: the worker class has no such public method.
+            ValueError: ``worker_idx`` is out of range.
+        """
         self._check_method(method_name)
         self._check_ranks([worker_idx], "worker_idx")
         return self._bare_refs(self._call(method_name, [(worker_idx, args, kwargs)]))[0]
@@ -109,7 +134,19 @@ class NemoFace:
         run_rank_0_only_axes: list[str] | None = None,
         **kwargs: Any,
     ) -> list[ray.ObjectRef]:
-        """Same arguments to every worker (or only rank 0 of ``run_rank_0_only_axes``)."""
+        """Same arguments to every worker (or only rank 0 of ``run_rank_0_only_axes``).
+
+        Args:
+            method_name: the worker method's name.
+            *args, **kwargs: the arguments every called worker gets.
+            run_rank_0_only_axes: call only index 0 along these named axes.
+
+        Returns:
+            One Ray future per called worker.
+
+        Raises:
+            UnknownMethodError: the worker class has no such public method.
+        """
         self._check_method(method_name)
         ranks = dispatch.rank0_only(
             self.sharding_annotations, self._all_ranks, run_rank_0_only_axes
@@ -129,6 +166,19 @@ class NemoFace:
 
         Data that do not match the workers called raise ``dispatch.DispatchError`` (a
         ``ValueError`` and, as in NeMo-RL, an ``AssertionError``).
+
+        Args:
+            method_name: the worker method's name.
+            *args, **kwargs: lists with one item per called worker.
+            run_rank_0_only_axes: call only index 0 along these named axes.
+            common_kwargs: keyword arguments every called worker gets.
+
+        Returns:
+            One Ray future per called worker.
+
+        Raises:
+            DispatchError: the lists do not match the workers called.
+            UnknownMethodError: the worker class has no such public method.
         """
         self._check_method(method_name)
         ranks = dispatch.rank0_only(
@@ -156,6 +206,22 @@ class NemoFace:
         shard. Free axes (neither): only index 0 is called (others get ``None`` data with
         ``make_dummy_calls_to_free_axes``). Results come from index 0 of free axes and of
         ``output_is_replicated`` axes.
+
+        Args:
+            method_name: the worker method's name.
+            *args, **kwargs: the data, nested lists indexed by ``in_sharded_axes``.
+            in_sharded_axes: the axes the data is sharded over.
+            replicate_on_axes: the axes along which every worker gets the same shard.
+            output_is_replicated: the axes whose results come from index 0 only.
+            make_dummy_calls_to_free_axes: call the free axes' other workers with ``None`` data.
+            common_kwargs: keyword arguments every called worker gets.
+
+        Returns:
+            A ``MultiWorkerFuture`` whose results are those of the workers that return.
+
+        Raises:
+            DispatchError: the data do not match the axes.
+            UnknownMethodError: the worker class has no such public method.
         """
         self._check_method(method_name)
         plan = dispatch.sharded(
@@ -180,7 +246,18 @@ class NemoFace:
     def get_all_worker_results(
         self, future_bundle: MultiWorkerFuture, return_generators_as_proxies: bool = False
     ) -> list[Any]:
-        """``future_bundle.get_results(self, ...)``: the selected workers' results."""
+        """``future_bundle.get_results(self, ...)``: the selected workers' results.
+
+        Args:
+            future_bundle: the ``MultiWorkerFuture`` of a call on this group.
+            return_generators_as_proxies: return generator methods' generators as they are.
+
+        Returns:
+            The selected workers' results, in worker order.
+
+        Raises:
+            WorkerError: a worker's method raised.
+        """
         return future_bundle.get_results(
             self, return_generators_as_proxies=return_generators_as_proxies
         )

@@ -24,6 +24,11 @@ class AsyncSubmission:
     """What ``foreach_worker_async`` did: the ranks it sent to and those over budget.
 
     ``int(submission)`` is the number of requests sent (what RLlib returns).
+
+    Attributes:
+        tag: the requests' tag.
+        sent: the ranks sent a request.
+        skipped: the ranks at their in-flight limit, sent none.
     """
 
     tag: str | None

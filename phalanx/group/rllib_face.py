@@ -139,6 +139,22 @@ class RllibFace:
         results, and a warning naming the report); ``timeout_seconds=0`` returns what is
         ready at once, without a report. ``return_obj_refs`` returns the finished calls'
         refs; ``mark_healthy``: unhealthy workers that answer are healthy again.
+
+        Args:
+            func: a function of the worker, a method name, or a list of them, one per worker.
+            kwargs: keyword arguments of ``func``.
+            healthy_only: skip workers not healthy.
+            remote_worker_ids: the ranks to call (every rank if None).
+            timeout_seconds: seconds to wait (no bound if None; 0 returns what is ready).
+            return_obj_refs: return the finished calls' Ray refs.
+            mark_healthy: unhealthy workers that answer are healthy again.
+
+        Returns:
+            The results in rank order.
+
+        Raises:
+            WorkerError: a call raised (unless the policy ignores failures).
+            HangTimeoutError: a call was still running after ``timeout_seconds``.
         """
         opts = ForeachOptions(
             kwargs, healthy_only, remote_worker_ids, timeout_seconds, return_obj_refs, mark_healthy
@@ -156,7 +172,19 @@ class RllibFace:
         mark_healthy: bool = False,
         kwargs: dict[str, Any] | None = None,
     ) -> list[Any]:
-        """Like ``foreach_worker`` with ``func(worker_id, worker)``; the id is the rank."""
+        """Like ``foreach_worker`` with ``func(worker_id, worker)``; the id is the rank.
+
+        Args:
+            func: a function of ``(worker_id, worker)``, or a list of them.
+            healthy_only, remote_worker_ids, timeout_seconds: as for ``foreach_worker``.
+            return_obj_refs, mark_healthy, kwargs: the same.
+
+        Returns:
+            The results in rank order.
+
+        Raises:
+            WorkerError: a call raised (unless the policy ignores failures).
+        """
         opts = ForeachOptions(
             kwargs, healthy_only, remote_worker_ids, timeout_seconds, return_obj_refs, mark_healthy
         )
@@ -180,6 +208,18 @@ class RllibFace:
 
         Health follows the group's rule: a dead worker is marked unhealthy; an exception
         does so only with ``RestartPolicy(restart_on_error=True)`` (RLlib's rule).
+
+        Args:
+            func: a function of the worker, a method name, or a list of them, one per worker.
+            healthy_only: skip workers not healthy.
+            remote_actor_ids: the ranks to call (every rank if None).
+            timeout_seconds: seconds to wait (no bound if None).
+            return_obj_refs: return the results' Ray refs instead of their values.
+            mark_healthy: workers out of service that answered are healthy again.
+            kwargs: keyword arguments of ``func``.
+
+        Returns:
+            The ``RemoteCallResults`` of the finished calls.
         """
         opts = ForeachOptions(
             kwargs, healthy_only, remote_actor_ids, timeout_seconds, return_obj_refs, mark_healthy
@@ -204,6 +244,20 @@ class RllibFace:
         in flight (default ``group.max_requests_in_flight_per_worker``) is not sent one;
         the returned :class:`~phalanx.group.requests.AsyncSubmission` lists it as skipped
         (and a warning is logged). ``int(submission)`` is the number of requests sent.
+
+        Args:
+            func: a function of the worker, a method name, or a list of them.
+            tag: the requests' tag, for ``fetch_ready_async_reqs``.
+            kwargs: keyword arguments of ``func``.
+            healthy_only: skip workers not healthy.
+            remote_worker_ids: the ranks to call (every rank if None).
+            max_in_flight_per_worker: the most requests of ``tag`` one worker has in flight.
+
+        Returns:
+            The ``AsyncSubmission``: the ranks sent a request and those skipped.
+
+        Raises:
+            TypeError: ``tag`` is not a str or None.
         """
         budget = (
             self.max_requests_in_flight_per_worker
@@ -250,7 +304,17 @@ class RllibFace:
         healthy_only: bool = True,
         remote_actor_ids: list[int] | None = None,
     ) -> int:
-        """RLlib's ``FaultTolerantActorManager.foreach_actor_async``: the number of requests sent."""
+        """RLlib's ``FaultTolerantActorManager.foreach_actor_async``: the number of requests sent.
+
+        Args:
+            func: a function of the worker, a method name, or a list of them.
+            tag: the requests' tag, for ``fetch_ready_async_reqs``.
+            healthy_only: skip workers not healthy.
+            remote_actor_ids: the ranks to call (every rank if None).
+
+        Returns:
+            The number of requests sent.
+        """
         return int(
             self.foreach_worker_async(
                 func, tag=tag, healthy_only=healthy_only, remote_worker_ids=remote_actor_ids
@@ -258,7 +322,14 @@ class RllibFace:
         )
 
     def num_in_flight_async_reqs(self, tags: str | list[str] | None = None) -> int:
-        """Async requests sent and not yet fetched (of ``tags``, default all)."""
+        """Async requests sent and not yet fetched (of ``tags``, default all).
+
+        Args:
+            tags: the tags to count (every tag if None).
+
+        Returns:
+            The number of requests.
+        """
         return self._requests.num_in_flight(tags)
 
     def fetch_ready_async_reqs(
@@ -276,6 +347,18 @@ class RllibFace:
         died) raises its error, unless the policy ignores failures (then it is logged and
         left out). When a fetch raises, every other outcome of it (results and further
         errors) is held and handed out by the next fetch.
+
+        Args:
+            tags: the tags whose requests to fetch (every tag if None).
+            timeout_seconds: seconds to wait for requests in flight.
+            return_obj_refs: return the results' Ray refs instead of their values.
+            mark_healthy: workers out of service that answered are healthy again.
+
+        Returns:
+            A list of ``(worker_id, result)``.
+
+        Raises:
+            WorkerError: a request's worker raised or died (unless the policy ignores failures).
         """
         outcomes = self._fetch(tags, timeout_seconds, return_obj_refs, mark_healthy)
         if not self._fault.policy.ignore_failures:
@@ -294,7 +377,15 @@ class RllibFace:
         mark_healthy: bool = False,
     ) -> RemoteCallResults:
         """RLlib's ``FaultTolerantActorManager.fetch_ready_async_reqs`` form: the outcomes
-        of the done requests (``.actor_id``, ``.ok``, ``.get()``), errors included."""
+        of the done requests (``.actor_id``, ``.ok``, ``.get()``), errors included.
+
+        Args:
+            tags, timeout_seconds, return_obj_refs, mark_healthy: as for
+                ``fetch_ready_async_reqs``.
+
+        Returns:
+            The ``RemoteCallResults`` of the done requests.
+        """
         return as_results(self._fetch(tags, timeout_seconds, return_obj_refs, mark_healthy))
 
     def _fetch(
@@ -311,21 +402,43 @@ class RllibFace:
 
     # ------------------------------------------------------------------ health
     def healthy_worker_ids(self) -> list[int]:
-        """Ranks whose worker is healthy (RLlib's worker ids; phalanx ids are 0-based ranks)."""
+        """Ranks whose worker is healthy (RLlib's worker ids; phalanx ids are 0-based ranks).
+
+        Returns:
+            The healthy ranks, in order.
+        """
         return self._fault.in_service()
 
     def num_healthy_workers(self) -> int:
+        """The number of healthy workers.
+
+        Returns:
+            The number.
+        """
         return len(self.healthy_worker_ids())
 
     def num_healthy_remote_workers(self) -> int:
-        """Same as ``num_healthy_workers``: every phalanx worker is remote."""
+        """Same as ``num_healthy_workers``: every phalanx worker is remote.
+
+        Returns:
+            The number of healthy workers.
+        """
         return self.num_healthy_workers()
 
     def num_remote_workers(self) -> int:
+        """The number of workers (all are remote).
+
+        Returns:
+            The number.
+        """
         return self.world_size
 
     def num_remote_worker_restarts(self) -> int:
-        """How many times a worker was restarted and came back healthy."""
+        """How many times a worker was restarted and came back healthy.
+
+        Returns:
+            The number of restarts.
+        """
         return self._fault.recoveries
 
     def probe_unhealthy_workers(self, timeout_seconds: float | None = None) -> list[int]:
@@ -334,6 +447,12 @@ class RllibFace:
         A restart already under way is waited for (up to ``timeout_seconds``). Ranks
         restarted in the background since the last probe are included, so a caller that
         re-syncs what came back (as RLlib's algorithms do) misses none.
+
+        Args:
+            timeout_seconds: seconds to wait for the pings and restarts.
+
+        Returns:
+            The ranks that came back.
         """
         timeout = self._probe_timeout(timeout_seconds)
         self._check_live()
@@ -349,14 +468,33 @@ class RllibFace:
 
     def is_actor_healthy(self, actor_id: int) -> bool:
         """RLlib's ``FaultTolerantActorManager.is_actor_healthy``: whether rank ``actor_id``
-        is in service."""
+        is in service.
+
+        Args:
+            actor_id: the rank.
+
+        Returns:
+            Whether it is healthy.
+
+        Raises:
+            ValueError: ``actor_id`` is out of range.
+        """
         rank = check_rank(actor_id, self.world_size, "actor_id")
         return self._fault.health()[rank] == WorkerHealth.HEALTHY
 
     def set_actor_state(self, actor_id: int, healthy: bool) -> None:
         """RLlib's ``FaultTolerantActorManager.set_actor_state``: put rank ``actor_id`` in or
         out of service. Out of service, its async requests in flight are dropped (as in
-        RLlib) and it is not restarted; a rank being restarted is left to its restart."""
+        RLlib) and it is not restarted; a rank being restarted is left to its restart.
+
+        Args:
+            actor_id: the rank.
+            healthy: True puts it in service, False out.
+
+        Raises:
+            ValueError: ``actor_id`` is out of range.
+            TypeError: ``healthy`` is not a bool.
+        """
         rank = check_rank(actor_id, self.world_size, "actor_id")
         if not isinstance(healthy, bool):
             raise TypeError(f"healthy must be a bool, got {type(healthy).__name__}")
@@ -368,7 +506,16 @@ class RllibFace:
     def take_out_of_service(self, rank: int, reason: str, running: Any = None) -> None:
         """A failure only the caller saw (its call on ``rank`` stalled): out of service and
         restarted per policy, as if it raised; ``running`` (the stalled call's ref) must
-        end before a probe pings the rank (``RestartPolicy.until_probed``)."""
+        end before a probe pings the rank (``RestartPolicy.until_probed``).
+
+        Args:
+            rank: the rank that stalled.
+            reason: why, for the health events.
+            running: the stalled call's Ray ref.
+
+        Raises:
+            ValueError: ``rank`` is out of range.
+        """
         self._fault.fail(check_rank(rank, self.world_size, "rank"), reason, running)
 
     def probe_unhealthy_actors(
@@ -380,6 +527,13 @@ class RllibFace:
         They stay out of service unless ``mark_healthy`` (RLlib's rule: the caller restores
         their state first, then calls ``set_actor_state``). ``timeout_seconds=None`` waits
         up to the policy's ``health_probe_timeout_s`` (RLlib: no bound).
+
+        Args:
+            timeout_seconds: seconds to wait for the pings.
+            mark_healthy: put the ranks that answered back in service.
+
+        Returns:
+            The ranks that answered.
         """
         timeout = self._probe_timeout(timeout_seconds)
         self._check_live()

@@ -24,6 +24,15 @@ class NamedSharding:
     Example: ``NamedSharding([[0, 1], [2, 3]], ["dp", "tp"])`` is DP=2 x TP=2; rank 3 sits
     at ``{"dp": 1, "tp": 1}`` and ``get_ranks(dp=1)`` is the 1-D sharding of ranks
     ``[2, 3]`` on axis ``tp``, as in NeMo-RL.
+
+    Args:
+        layout: a nested list (or array) of the ranks, one dimension per axis.
+        names: the axes' names.
+
+    Raises:
+        ValueError: the layout is not a rectangular array of unique non-negative int
+            ranks, or the names repeat or do not match its dimensions.
+        TypeError: a name is not a non-empty str.
     """
 
     def __init__(self, layout: Sequence[Any] | np.ndarray, names: Sequence[str]) -> None:
@@ -89,7 +98,17 @@ class NamedSharding:
 
     @classmethod
     def default(cls, n: int) -> NamedSharding:
-        """Return the 1-D sharding of ``n`` ranks on one axis ``dp`` (pure data parallel)."""
+        """Return the 1-D sharding of ``n`` ranks on one axis ``dp`` (pure data parallel).
+
+        Args:
+            n: the number of ranks.
+
+        Returns:
+            The sharding.
+
+        Raises:
+            ValueError: ``n`` is below 1.
+        """
         n = check_int(n, "n", minimum=1)
         return cls(np.arange(n), ["dp"])
 
@@ -119,7 +138,17 @@ class NamedSharding:
         return dict(self._shape)
 
     def get_axis_index(self, name: str) -> int:
-        """Position of axis ``name`` in the layout; ValueError if there is no such axis."""
+        """Position of axis ``name`` in the layout; ValueError if there is no such axis.
+
+        Args:
+            name: the axis's name.
+
+        Returns:
+            Its position.
+
+        Raises:
+            ValueError: there is no such axis.
+        """
         try:
             return self._axis_index[name]
         except (KeyError, TypeError):
@@ -128,18 +157,47 @@ class NamedSharding:
             ) from None
 
     def get_axis_size(self, name: str) -> int:
-        """Size of axis ``name``; ValueError if there is no such axis."""
+        """Size of axis ``name``; ValueError if there is no such axis.
+
+        Args:
+            name: the axis's name.
+
+        Returns:
+            Its size.
+
+        Raises:
+            ValueError: there is no such axis.
+        """
         self.get_axis_index(name)
         return self._shape[name]
 
     def contains_worker_id(self, worker_id: int) -> bool:
-        """Whether ``worker_id`` is one of this sharding's ranks."""
+        """Whether ``worker_id`` is one of this sharding's ranks.
+
+        Args:
+            worker_id: the rank.
+
+        Returns:
+            Whether it is one.
+
+        Raises:
+            TypeError: ``worker_id`` is not an int.
+        """
         return check_int(worker_id, "worker_id") in self._coords
 
     def get_worker_coords(self, rank: int) -> dict[str, int]:
         """Coordinates of ``rank`` as axis name -> index (a fresh dict).
 
         A rank that is not in the layout is a ValueError, as in NeMo-RL.
+
+        Args:
+            rank: the rank.
+
+        Returns:
+            A dict from axis name to index.
+
+        Raises:
+            ValueError: the rank is not in the layout.
         """
         rank = check_int(rank, "rank")
         coords = self._coords.get(rank)
@@ -173,6 +231,16 @@ class NamedSharding:
         not fixed (in layout order) holding those ranks; with no coordinates, a sharding
         equal to this one. Unknown axis -> ValueError; coordinate out of range ->
         IndexError. ``get_ranks_by_coord`` gives the same ranks as a sorted flat list.
+
+        Args:
+            **coords: an index per fixed axis.
+
+        Returns:
+            The rank, or a ``NamedSharding`` of the ranks left.
+
+        Raises:
+            ValueError: an axis is unknown.
+            IndexError: a coordinate is out of range.
         """
         index = self._index(coords, strict=True)
         assert index is not None
@@ -188,6 +256,15 @@ class NamedSharding:
 
         As in NeMo-RL, a coordinate outside its axis matches nothing (empty list); an
         unknown axis name is a ValueError.
+
+        Args:
+            **coords: an index per fixed axis.
+
+        Returns:
+            The ranks, sorted.
+
+        Raises:
+            ValueError: an axis is unknown.
         """
         index = self._index(coords, strict=False)
         if index is None:

@@ -54,6 +54,9 @@ class DeviceInfoMixin:
         On CPU the memory figures are the process's resident memory (``memory_*_mb``) and
         ``cuda`` is False; ``parameter_sample`` names one parameter with its device, shape
         (this rank's shard) and dtype.
+
+        Returns:
+            A dict of the facts.
         """
         rss = self._rss()
         self._peak_rss = max(self._peak_rss, rss)
@@ -108,7 +111,11 @@ class DeviceInfoMixin:
         return info
 
     def report_device_id(self) -> str:
-        """The GPU's UUID, or ``cpu:<hostname>`` on CPU (same-node processes share it)."""
+        """The GPU's UUID, or ``cpu:<hostname>`` on CPU (same-node processes share it).
+
+        Returns:
+            The id.
+        """
         if torch.cuda.is_available():
             return str(torch.cuda.get_device_properties(self.device).uuid)
         return f"cpu:{socket.gethostname()}"
@@ -126,7 +133,14 @@ class DeviceInfoMixin:
         self._profiler.start()
 
     def stop_gpu_profiling(self) -> str:
-        """Stop the profiler and write a Chrome trace; returns its path."""
+        """Stop the profiler and write a Chrome trace; returns its path.
+
+        Returns:
+            The trace's path.
+
+        Raises:
+            RuntimeError: the profiler was not started.
+        """
         if self._profiler is None:
             raise RuntimeError("stop_gpu_profiling: call start_gpu_profiling first")
         prof, self._profiler = self._profiler, None

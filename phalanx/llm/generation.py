@@ -33,19 +33,48 @@ class GenerationInterface(ABC):
 
     @abstractmethod
     def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
-        """Sample (or greedily decode) one response per row of ``data``."""
+        """Sample (or greedily decode) one response per row of ``data``.
+
+        Args:
+            data: the prompts, with ``input_ids`` and ``input_lengths``.
+            greedy: decode greedily instead of sampling.
+
+        Returns:
+            The prompts with their responses, as ``output_ids`` and their log-probs.
+        """
 
     @abstractmethod
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
-        """Wake the backend up (weights and caches onto the device)."""
+        """Wake the backend up (weights and caches onto the device).
+
+        Args:
+            *args, **kwargs: backend-specific.
+
+        Returns:
+            True when ready.
+        """
 
     @abstractmethod
     def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
-        """Release what generation holds (e.g. KV caches) until the next round."""
+        """Release what generation holds (e.g. KV caches) until the next round.
+
+        Args:
+            *args, **kwargs: backend-specific.
+
+        Returns:
+            True when done.
+        """
 
     @abstractmethod
     def update_weights(self, state_dict: dict[str, Any]) -> bool:
-        """Load a full state dict (names as in the policy's Hugging Face model)."""
+        """Load a full state dict (names as in the policy's Hugging Face model).
+
+        Args:
+            state_dict: the weights.
+
+        Returns:
+            True when loaded.
+        """
 
 
 def _check_generation_config(cfg: Any) -> dict[str, Any]:
@@ -76,6 +105,10 @@ class HFGenerationWorker(Worker, GenerationInterface):
     ``read_only_weights`` receiver: on CPU, on the sender's node, a refit makes its
     parameters views of the sender's shared buffer (switched between calls), so it keeps
     no copy of its own; on GPU or another node it copies.
+
+    Args:
+        config: the generation config, as above.
+        tokenizer: the model's tokenizer.
     """
 
     read_only_weights = True  # inference only: same-node sends give it views, not copies
@@ -126,6 +159,18 @@ class HFGenerationWorker(Worker, GenerationInterface):
         ``generate``: identical prompts (a GRPO group's samples) are prefilled once and
         their cache rows copied, only the chosen tokens' log-probs are kept (no
         ``[B, new, V]`` logits), and rows that finished are dropped from the batch.
+
+        Args:
+            data: the prompts, with ``input_ids`` and ``input_lengths``.
+            greedy: decode greedily instead of sampling.
+
+        Returns:
+            ``output_ids`` (prompt and response), ``logprobs``, ``generation_lengths`` and
+            ``unpadded_sequence_lengths``.
+
+        Raises:
+            ValueError: ``data`` lacks ``input_ids`` or ``input_lengths``, or a prompt leaves
+                no room for ``max_new_tokens``.
         """
         if "input_ids" not in data or "input_lengths" not in data:
             raise ValueError("generate: data needs 'input_ids' and 'input_lengths'")
@@ -245,10 +290,26 @@ class HFGenerationWorker(Worker, GenerationInterface):
         return torch.multinomial(probs, 1, generator=self._gen).squeeze(-1)
 
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
+        """Move the model onto the worker's device.
+
+        Args:
+            *args, **kwargs: accepted for NeMo-RL's signature.
+
+        Returns:
+            True.
+        """
         self.model.to(self.device)
         return True
 
     def finish_generation(self, *args: Any, **kwargs: Any) -> bool:
+        """Free the device's cache.
+
+        Args:
+            *args, **kwargs: accepted for NeMo-RL's signature.
+
+        Returns:
+            True.
+        """
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return True
@@ -265,7 +326,17 @@ class HFGenerationWorker(Worker, GenerationInterface):
 
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, Any]) -> bool:
-        """Load a full state dict (tensors or arrays, names as in the model) in place."""
+        """Load a full state dict (tensors or arrays, names as in the model) in place.
+
+        Args:
+            state_dict: the weights.
+
+        Returns:
+            True when loaded.
+
+        Raises:
+            WeightMismatchError: the names or shapes differ from the model's.
+        """
         from phalanx.weights import gather, to_named_tensors
 
         named = to_named_tensors(state_dict)
@@ -277,6 +348,15 @@ class HFGenerationWorker(Worker, GenerationInterface):
 
         ``handles`` maps a device id to a handle; this worker uses the one of its own
         device (a GPU's UUID, or the host on CPU).
+
+        Args:
+            handles: a dict from device id to handle.
+
+        Returns:
+            True when loaded.
+
+        Raises:
+            ValueError: ``handles`` is empty or has no handle for this worker's device.
         """
         from phalanx.weights import open_handle, open_views, views
 
@@ -305,7 +385,17 @@ class HFGenerationWorker(Worker, GenerationInterface):
         return f"cpu:{socket.gethostname()}"
 
     def init_collective(self, ip: str, port: int, world_size: int, rank_offset: int = 1) -> bool:
-        """Join the refit group as rank ``rank_offset + self.rank`` (the policy is rank 0)."""
+        """Join the refit group as rank ``rank_offset + self.rank`` (the policy is rank 0).
+
+        Args:
+            ip: the address of the refit group's store.
+            port: its port.
+            world_size: the refit group's size.
+            rank_offset: the refit rank of this group's rank 0.
+
+        Returns:
+            True.
+        """
         from phalanx.comm.process_group import join_store
         from phalanx.weights import new_process_group
 
@@ -321,6 +411,15 @@ class HFGenerationWorker(Worker, GenerationInterface):
         """Receive ``DTensorPolicyWorker.broadcast_weights_for_collective`` and copy it in.
 
         ``info`` is what ``prepare_info_for_collective`` returned (layout, bucket size).
+
+        Args:
+            info: the layout and bucket size.
+
+        Returns:
+            True when loaded.
+
+        Raises:
+            RuntimeError: ``init_collective`` was not called.
         """
         from phalanx.weights import receive_stream, views
 
@@ -332,8 +431,17 @@ class HFGenerationWorker(Worker, GenerationInterface):
         return self._apply(layout, views(flat, layout))
 
     def get_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's weights on CPU (tests compare them with the policy's)."""
+        """The model's weights on CPU (tests compare them with the policy's).
+
+        Returns:
+            A dict from parameter name to its tensor.
+        """
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     def is_alive(self) -> bool:
+        """True: the worker answers.
+
+        Returns:
+            True.
+        """
         return True

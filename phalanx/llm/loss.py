@@ -145,6 +145,9 @@ class ClippedPGLossFn:
     Per token: ``max(-A r, -A clip(r, 1-eps_lo, 1+eps_hi)) + beta * k3`` where
     ``r = exp(logp - prev_logp)`` and ``k3 = exp(ref - logp) - (ref - logp) - 1``
     (Schulman's unbiased, always non-negative estimator of KL(pi || ref)).
+
+    Args:
+        cfg: a ``ClippedPGLossConfig`` or a dict of its fields (the defaults if None).
     """
 
     loss_type = LossType.TOKEN_LEVEL
@@ -184,7 +187,17 @@ class ClippedPGLossFn:
         global_valid_toks: torch.Tensor,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """The loss and metrics from the policy's log-probs ``lp`` [B, T-1] of the tokens of
-        ``data["input_ids"]`` (``next_token_logits`` only feeds the entropy metric)."""
+        ``data["input_ids"]`` (``next_token_logits`` only feeds the entropy metric).
+
+        Args:
+            lp: the policy's log-probs.
+            next_token_logits: the logits, for the entropy metric.
+            data: the batch, with the advantages, masks and previous log-probs.
+            global_valid_toks: the valid tokens of the global batch.
+
+        Returns:
+            ``(loss, metrics)``.
+        """
         self._check_keys(data)
         cfg = self.cfg
         mask = valid_token_mask(data)

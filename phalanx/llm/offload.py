@@ -29,7 +29,11 @@ class OffloadMixin:
     device: torch.device
 
     def move_optimizer_to_device(self, device: str | torch.device) -> None:
-        """Move every optimizer state tensor to ``device`` (no-op without an optimizer)."""
+        """Move every optimizer state tensor to ``device`` (no-op without an optimizer).
+
+        Args:
+            device: the target device.
+        """
         if self.optimizer is None:
             return
         target = torch.device(device)
@@ -39,14 +43,30 @@ class OffloadMixin:
                     state[k] = v.to(target)
 
     def move_to_device(self, model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
-        """Move parameters and buffers of ``model`` to ``device``."""
+        """Move parameters and buffers of ``model`` to ``device``.
+
+        Args:
+            model: the model.
+            device: the target device.
+
+        Returns:
+            The model.
+        """
         model = self.move_buffer_to_device(model, device)
         return model.to(device)
 
     def move_buffer_to_device(
         self, model: torch.nn.Module, device: str | torch.device
     ) -> torch.nn.Module:
-        """Move only the buffers (FSDP2 shards parameters, not buffers)."""
+        """Move only the buffers (FSDP2 shards parameters, not buffers).
+
+        Args:
+            model: the model.
+            device: the target device.
+
+        Returns:
+            The model.
+        """
         target = torch.device(device)
         for module in model.modules():
             for name, buf in list(module.named_buffers(recurse=False)):
@@ -55,6 +75,17 @@ class OffloadMixin:
         return model
 
     def move_to_cuda(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move ``model`` to the GPU.
+
+        Args:
+            model: the model.
+
+        Returns:
+            The model.
+
+        Raises:
+            RuntimeError: CUDA is not available.
+        """
         if not torch.cuda.is_available():
             raise RuntimeError("move_to_cuda: CUDA is not available on this worker (CPU only)")
         model = self.move_to_device(model, "cuda")
@@ -62,6 +93,14 @@ class OffloadMixin:
         return model
 
     def move_to_cpu(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move ``model`` to the CPU and free the device's cache.
+
+        Args:
+            model: the model.
+
+        Returns:
+            The model.
+        """
         model = self.move_to_device(model, "cpu")
         free_device_cache()
         return model
@@ -72,14 +111,22 @@ class OffloadMixin:
 
     def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None:
         """Model on its device in eval mode; optimizer state off the device unless
-        ``keep_train_buffers`` (or ``offload_optimizer_for_logprob`` is False)."""
+        ``keep_train_buffers`` (or ``offload_optimizer_for_logprob`` is False).
+
+        Args:
+            keep_train_buffers: keep the optimizer state on the device.
+        """
         self.model = self.move_to_device(self.model, self._model_device())
         self.model.eval()
         if not keep_train_buffers and self.cfg.get("offload_optimizer_for_logprob", True):
             self.offload_before_refit()
 
     def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
-        """Model and optimizer state on the device, model in train mode."""
+        """Model and optimizer state on the device, model in train mode.
+
+        Args:
+            *args, **kwargs: accepted for NeMo-RL's signature.
+        """
         self.model = self.move_to_device(self.model, self._model_device())
         self.model.train()
         self.move_optimizer_to_device(self._model_device())

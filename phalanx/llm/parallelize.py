@@ -278,7 +278,18 @@ def create_context_parallel_ctx(
     cp_no_restore_buffers: set[torch.Tensor],
     cp_rotate_method: str | None = None,
 ) -> Any:
-    """torch's context-parallel context that shards ``cp_buffers`` along their seq dims."""
+    """torch's context-parallel context that shards ``cp_buffers`` along their seq dims.
+
+    Args:
+        cp_mesh: the context-parallel device mesh.
+        cp_buffers: the tensors to shard.
+        cp_seq_dims: each buffer's sequence dimension.
+        cp_no_restore_buffers: buffers not restored on exit.
+        cp_rotate_method: the ring attention's rotate method (torch's default if None).
+
+    Returns:
+        The context manager.
+    """
     from torch.distributed.tensor.experimental import context_parallel
 
     if cp_rotate_method is not None:
@@ -360,7 +371,14 @@ def _restores_sdpa(cp_context: Any) -> Generator[None, None, None]:
 
 @contextlib.contextmanager
 def train_context(cp_context: Any | None = None) -> Generator[None, None, None]:
-    """Enter ``cp_context`` (with the SDPA kernels context parallelism supports)."""
+    """Enter ``cp_context`` (with the SDPA kernels context parallelism supports).
+
+    Args:
+        cp_context: a context from ``create_context_parallel_ctx``, or None.
+
+    Yields:
+        Nothing; the block runs inside the context.
+    """
     with contextlib.ExitStack() as stack:
         if cp_context is not None:
             from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -64,6 +64,27 @@ class Policy:
     ``cluster`` is a ``RayVirtualCluster`` (one worker per bundle, NeMo-RL style) or a
     ``px.Cluster`` (``num_workers`` workers placed with ``NodePlacement``). The data-parallel
     size is the number of workers / (tensor_parallel_size x context_parallel_size).
+
+    Args:
+        cluster: a ``RayVirtualCluster`` or a ``Cluster``.
+        config: NeMo-RL's policy config.
+        tokenizer: the model's tokenizer.
+        name_prefix: the workers' group name.
+        workers_per_node: workers per node on a ``RayVirtualCluster``.
+        init_optimizer: build the optimizer.
+        weights_path: a checkpoint to load the weights from.
+        optimizer_path: a checkpoint to load the optimizer's state from.
+        init_reference_model: keep the initial weights as the reference policy.
+        processor: a multimodal processor (not supported).
+        num_workers: workers on a ``Cluster`` (1 if None).
+        num_cpus_per_worker: CPUs each worker reserves.
+        timeout_s: seconds a call may take.
+
+    Raises:
+        ConfigError: the config is invalid, the model path does not exist, or a
+            ``processor`` is given.
+        ValueError: an option is out of range.
+        TypeError: ``cluster`` has the wrong type.
     """
 
     def __init__(
@@ -233,6 +254,20 @@ class Policy:
         manager) records "policy_training/sharding_data" and
         "policy_training/submit_training_futures". With a ``flops_tracker`` the result
         has ``total_flops`` (model FLOPs of this call) and ``num_ranks``.
+
+        Args:
+            data: the batch.
+            loss_fn: the loss function.
+            eval_mode: compute the loss without stepping the optimizer.
+            gbs: the global batch size (the config's if None).
+            mbs: the micro-batch size (the config's if None).
+            timer: records the phases, as above.
+
+        Returns:
+            ``loss``, ``grad_norm``, ``lr`` and ``all_mb_metrics``.
+
+        Raises:
+            ValueError: the batch sizes do not divide.
         """
         _check_timer(timer)
         self._check(data, "train")
@@ -295,7 +330,16 @@ class Policy:
     ) -> BatchedDataDict:
         """``logprobs`` [B, T] of ``data['input_ids']`` (position 0 and padding are 0),
         in the order of ``data``. ``timer`` records "get_logprobs/shard_data" and
-        "get_logprobs/submit_logprob_futures" (NeMo-RL's labels)."""
+        "get_logprobs/submit_logprob_futures" (NeMo-RL's labels).
+
+        Args:
+            data: the batch, with ``input_ids`` and ``input_lengths``.
+            micro_batch_size: rows per forward pass (the config's if None).
+            timer: records the phases, as above.
+
+        Returns:
+            A ``BatchedDataDict`` with ``logprobs``.
+        """
         return self._logprobs(
             "get_logprobs", "logprobs", data, micro_batch_size, timer, "submit_logprob_futures"
         )
@@ -305,7 +349,16 @@ class Policy:
     ) -> BatchedDataDict:
         """``reference_logprobs`` [B, T] under the initial (reference) weights. ``timer``
         records "get_reference_policy_logprobs/shard_data" and
-        "get_reference_policy_logprobs/submit_reference_policy_logprob_futures"."""
+        "get_reference_policy_logprobs/submit_reference_policy_logprob_futures".
+
+        Args:
+            data: as for ``get_logprobs``.
+            micro_batch_size: as for ``get_logprobs``.
+            timer: records the phases, as above.
+
+        Returns:
+            A ``BatchedDataDict`` with ``reference_logprobs``.
+        """
         return self._logprobs(
             "get_reference_policy_logprobs",
             "reference_logprobs",
@@ -317,11 +370,20 @@ class Policy:
 
     # ------------------------------------------------------------------ phases and weights
     def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
+        """Every worker in train mode, model and optimizer state on the device.
+
+        Args:
+            *args, **kwargs: accepted for NeMo-RL's signature.
+        """
         self._all("prepare_for_training")
 
     def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None:
         """Every worker in eval mode; optimizer state moves to CPU (per
-        ``offload_optimizer_for_logprob``) unless ``keep_train_buffers``."""
+        ``offload_optimizer_for_logprob``) unless ``keep_train_buffers``.
+
+        Args:
+            keep_train_buffers: keep the optimizer state on the device.
+        """
         self._all("prepare_for_lp_inference", keep_train_buffers=keep_train_buffers)
 
     def finish_inference(self) -> None:
@@ -329,14 +391,22 @@ class Policy:
         self._all("finish_inference")
 
     def prepare_refit_info(self) -> dict[str, Any]:
-        """``{name: (shape, dtype)}`` of the weights a refit sends."""
+        """``{name: (shape, dtype)}`` of the weights a refit sends.
+
+        Returns:
+            A dict from parameter name to ``(shape, dtype)``.
+        """
         return self._all("prepare_refit_info")[0]
 
     def finish_training(self, *args: Any, **kwargs: Any) -> None:
         """End of a training phase. Nothing to release: each ``train`` call already frees
         its gradients, and the model stays where ``prepare_for_training`` put it until
         ``prepare_for_lp_inference``/``offload_after_refit`` move it (NeMo-RL's is a no-op
-        too)."""
+        too).
+
+        Args:
+            *args, **kwargs: accepted for NeMo-RL's signature.
+        """
 
     def offload_before_refit(self) -> None:
         self._all("offload_before_refit")
@@ -345,7 +415,11 @@ class Policy:
         self._all("offload_after_refit")
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Full model weights on CPU (gathered collectively, returned by rank 0)."""
+        """Full model weights on CPU (gathered collectively, returned by rank 0).
+
+        Returns:
+            A dict from parameter name to its tensor.
+        """
         return self._all("return_full_state_dict")[0]
 
     def save_checkpoint(
@@ -357,7 +431,15 @@ class Policy:
     ) -> None:
         """Sharded checkpoint of model (and optimizer). As NeMo-RL, ``checkpointing_cfg``
         reaches the workers with ``dtensor_cfg._v2`` only; without it a
-        ``model_save_format`` is an error."""
+        ``model_save_format`` is an error.
+
+        Args:
+            weights_path, optimizer_path, tokenizer_path, checkpointing_cfg: as for
+                ``DTensorPolicyWorker.save_checkpoint``.
+
+        Raises:
+            ConfigError: ``checkpointing_cfg`` asks for a format this policy does not write.
+        """
         if not (self.cfg.get("dtensor_cfg") or {}).get("_v2"):
             if (checkpointing_cfg or {}).get("model_save_format") is not None:
                 raise ConfigError(
@@ -374,6 +456,12 @@ class Policy:
         )
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
+        """Load a ``save_checkpoint`` directory on every worker.
+
+        Args:
+            weights_path: the directory of the model's weights.
+            optimizer_path: the directory of the optimizer's state (not loaded if None).
+        """
         self._all("load_checkpoint", weights_path, optimizer_path)
 
     def start_gpu_profiling(self) -> None:
@@ -383,6 +471,11 @@ class Policy:
         self._all("stop_gpu_profiling")
 
     def shutdown(self) -> bool:
+        """Shut every worker down (their ``shutdown`` first).
+
+        Returns:
+            Whether the workers' ``shutdown`` succeeded.
+        """
         return self.worker_group.shutdown(cleanup_method="shutdown", timeout=60)
 
 

@@ -84,7 +84,20 @@ _PG_TIMEOUT = timedelta(seconds=PG_TIMEOUT_S)
 
 
 class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
-    """One rank of an FSDP2-sharded policy (NeMo-RL's ``DTensorPolicyWorker``)."""
+    """One rank of an FSDP2-sharded policy (NeMo-RL's ``DTensorPolicyWorker``).
+
+    Args:
+        config: NeMo-RL's policy config (``model_name``, batch sizes, ``dtensor_cfg``, ...).
+        tokenizer: the model's tokenizer.
+        weights_path: a checkpoint to load the weights from.
+        optimizer_path: a checkpoint to load the optimizer's state from.
+        init_optimizer: build the optimizer (False for inference only).
+        init_reference_model: keep the initial weights as the reference policy.
+        **kwargs: NeMo-RL's other keywords, accepted and unused.
+
+    Raises:
+        ConfigError: the config asks for what this worker does not support.
+    """
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}[rank={self.rank}]"
@@ -343,7 +356,11 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
 
     def add_microbatch_hook(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` before every training micro-batch (e.g. to follow a thread
-        share that changes while a ``train`` call runs)."""
+        share that changes while a ``train`` call runs).
+
+        Args:
+            hook: called with no arguments.
+        """
         self._microbatch_hooks.append(hook)
 
     def _clear_cache_step(self, i: int) -> None:
@@ -365,6 +382,22 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
         Returns ``global_loss`` (one value per global batch, summed over ranks),
         ``grad_norm``, ``lr`` and ``all_mb_metrics`` (lists, one entry per micro-batch).
         Without ``token_mask`` every token counts as valid (token-level losses need it).
+
+        Args:
+            data: this rank's shard, with ``input_ids`` and ``input_lengths``.
+            loss_fn: the loss function.
+            eval_mode: compute the loss without stepping the optimizer.
+            gbs: the global batch size (the config's if None).
+            mbs: the micro-batch size (the config's if None).
+
+        Returns:
+            The metrics, as above.
+
+        Raises:
+            ValueError: the batch sizes do not divide, or ranks hold different numbers of
+                global batches.
+            ConfigError: a token-level loss gets no ``token_mask``.
+            RuntimeError: training with no optimizer (``init_optimizer=False``).
         """
         gbs = int(gbs or self.cfg["train_global_batch_size"])
         mbs = int(mbs or self.cfg["train_micro_batch_size"])
@@ -499,6 +532,16 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
 
         Only the chosen tokens' log-probs are kept, computed in chunks of positions
         (``logprob_chunk_size``): no full-vocabulary float32 copy of a micro-batch's logits.
+
+        Args:
+            data: the batch, with ``input_ids`` and ``input_lengths``.
+            micro_batch_size: rows per forward pass (the config's if None).
+
+        Returns:
+            A ``BatchedDataDict`` with ``logprobs``.
+
+        Raises:
+            ValueError: ``data`` lacks a key it needs or its sizes disagree.
         """
         self._check_batch(data, "get_logprobs")
         ids = data["input_ids"]
@@ -538,7 +581,14 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
     @contextlib.contextmanager
     def use_reference_model(self) -> Generator[None, None, None]:
         """Swap the reference weights into the model in place; swap back afterwards.
-        With LoRA: disable the adapters inside the block."""
+        With LoRA: disable the adapters inside the block.
+
+        Yields:
+            Nothing; the block runs with the reference weights.
+
+        Raises:
+            RuntimeError: the worker was built with ``init_reference_model=False``.
+        """
         if self.peft_model is not None:
             with disabled_adapters(self.peft_model):
                 yield
@@ -574,7 +624,18 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
     def get_reference_policy_logprobs(
         self, data: BatchedDataDict, micro_batch_size: int | None = None
     ) -> BatchedDataDict:
-        """``get_logprobs`` under the reference weights, as ``reference_logprobs``."""
+        """``get_logprobs`` under the reference weights, as ``reference_logprobs``.
+
+        Args:
+            data: as for ``get_logprobs``.
+            micro_batch_size: as for ``get_logprobs``.
+
+        Returns:
+            A ``BatchedDataDict`` with ``reference_logprobs``.
+
+        Raises:
+            RuntimeError: the worker was built with ``init_reference_model=False``.
+        """
         with self.use_reference_model():
             lp = self.get_logprobs(data, micro_batch_size)
         return BatchedDataDict(reference_logprobs=lp["logprobs"])
@@ -603,16 +664,27 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
 
         Not a collective: it may be called on one worker. ``return_full_state_dict`` (every
         rank calls it) gathers full tensors.
+
+        Returns:
+            A dict from parameter name to its tensor or DTensor.
         """
         reshard(self.model)
         return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def return_full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full (gathered) model state dict on CPU; a collective: every rank calls it."""
+        """The full (gathered) model state dict on CPU; a collective: every rank calls it.
+
+        Returns:
+            A dict from parameter name to its full tensor.
+        """
         return {k: v.cpu() for k, v in full_state_dict(self.model).items()}
 
     def return_model_config(self) -> Any:
-        """The model's Hugging Face config object (NeMo-RL's ``return_model_config``)."""
+        """The model's Hugging Face config object (NeMo-RL's ``return_model_config``).
+
+        Returns:
+            The config.
+        """
         return self.model.config
 
     # ------------------------------------------------------------------ checkpoints
@@ -627,6 +699,15 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
 
         ``checkpointing_cfg`` (NeMo-RL v2's) may only ask for this format: its
         ``model_save_format`` must be None or "torch_save".
+
+        Args:
+            weights_path: the directory for the model's weights.
+            optimizer_path: the directory for the optimizer's state (not saved if None).
+            tokenizer_path: the directory for the tokenizer (not saved if None).
+            checkpointing_cfg: NeMo-RL's checkpointing config.
+
+        Raises:
+            ConfigError: ``checkpointing_cfg`` asks for another format.
         """
         fmt = (checkpointing_cfg or {}).get("model_save_format")
         if fmt not in (None, "torch_save"):
@@ -646,7 +727,12 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         """Load a ``save_checkpoint`` directory into this (already sharded) model; with
-        LoRA, ``weights_path`` holds the adapters in peft's format."""
+        LoRA, ``weights_path`` holds the adapters in peft's format.
+
+        Args:
+            weights_path: the directory of the model's weights.
+            optimizer_path: the directory of the optimizer's state (not loaded if None).
+        """
         if self.peft_model is None:
             load_sharded(self.model, self.optimizer, self.scheduler, weights_path, optimizer_path)
             return
@@ -660,10 +746,19 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
     train_context = staticmethod(train_context)
 
     def is_alive(self) -> bool:
+        """True: the worker answers.
+
+        Returns:
+            True.
+        """
         return True
 
     def shutdown(self) -> bool:
-        """Release the profiler, refit buffers and process groups."""
+        """Release the profiler, refit buffers and process groups.
+
+        Returns:
+            True.
+        """
         self._close_profiler()
         self._close_refit()
         if dist.is_initialized():

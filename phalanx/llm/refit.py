@@ -68,6 +68,17 @@ class Refitter:
 
     ``timeout_s`` bounds each driver-side wait; ``peer_timeout_s`` bounds each operation of
     the collective refit group, i.e. how long its members wait for a peer that is gone.
+
+    Args:
+        policy: the ``Policy`` whose weights are sent.
+        generation: the group of generation workers.
+        transport: ``"ipc"`` (``"shm"`` on CPU, ``"cuda_ipc"`` on GPU), ``"shm"``,
+            ``"cuda_ipc"``, ``"collective"``, ``"object_store"`` or ``"auto"``.
+        timeout_s: as above.
+        peer_timeout_s: as above.
+
+    Raises:
+        ValueError: ``transport`` is not one of those.
     """
 
     def __init__(
@@ -171,6 +182,12 @@ class Refitter:
 
         Returns the sender's ``SyncResult`` (``routes``: the path each generator got), or
         None for ``"collective"``, which the policy broadcasts itself.
+
+        Returns:
+            The ``SyncResult``, or None.
+
+        Raises:
+            RuntimeError: some generation worker did not apply the weights.
         """
         if self.transport in ("ipc", "shm", "cuda_ipc"):
             result = self._refit_shared()

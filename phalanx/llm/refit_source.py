@@ -75,7 +75,11 @@ class RefitSource:
     @torch.no_grad()
     def prepare_refit_info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
         """``{name: (full shape, refit dtype)}`` of the weights a refit sends (NeMo-RL's
-        ``prepare_refit_info``; the dtype is the policy's precision)."""
+        ``prepare_refit_info``; the dtype is the policy's precision).
+
+        Returns:
+            A dict from parameter name to ``(shape, dtype)``.
+        """
         return {k: (v.shape, self.dtype) for k, v in self._refit_state(merged=False).items()}
 
     def _refit_bucket_bytes(self) -> int:
@@ -90,6 +94,9 @@ class RefitSource:
 
         Every rank must call it. Returns ``[(name, nbytes)]`` (at the refit dtype, the
         policy's precision) and the bytes of device memory free for refit buffers.
+
+        Returns:
+            ``([(name, nbytes), ...], free bytes)``.
         """
         self._held_refit = self._full_refit_state()
         item = torch.empty((), dtype=self.dtype).element_size()
@@ -108,6 +115,16 @@ class RefitSource:
         On GPU the weights are packed into one CUDA buffer and its CUDA IPC handle is
         returned; on CPU they are packed into a shared-memory segment (kept and reused
         across refits) and its name is returned. The handle carries the stream layout.
+
+        Args:
+            keys: the parameter names.
+
+        Returns:
+            A dict from device id to its handle.
+
+        Raises:
+            RuntimeError: ``prepare_weights_for_ipc`` was not called.
+            KeyError: a name is not held.
         """
         from phalanx.weights import gather
 
@@ -140,6 +157,9 @@ class RefitSource:
         shared-memory segment (kept across refits; no gather, no collective after the
         first call), so the cost is one parallel copy of the weights. Otherwise the full
         weights are gathered and packed by rank 0, as NeMo-RL's two methods do.
+
+        Returns:
+            On rank 0, a dict from device id to its handle; None on the others.
         """
         if self.device.type == "cuda" or not self._policy_on_one_node():
             info, _ = self.prepare_weights_for_ipc()
@@ -169,6 +189,9 @@ class RefitSource:
         write one same-node buffer (weights on GPU, or ranks on several nodes).
 
         Every rank must call it (the first call asks the ranks for their hosts).
+
+        Returns:
+            The ``Layout``, or None.
         """
         if self.device.type == "cuda" or not self._policy_on_one_node():
             return None
@@ -182,6 +205,16 @@ class RefitSource:
         Mappings are kept for the next call; those of buffers neither ``path`` nor in
         ``live`` (retired by their owner) are dropped. Every rank must call it; rank 0
         returns the stream layout once every rank has written, the others None.
+
+        Args:
+            path: the shared buffer.
+            live: other buffers whose mappings to keep.
+
+        Returns:
+            On rank 0, the stream ``Layout``; None on the others.
+
+        Raises:
+            ValueError: the buffer is smaller than the weights.
         """
         from phalanx.llm.refit_stream import write_shards
         from phalanx.weights import ShmSegment
@@ -230,7 +263,11 @@ class RefitSource:
         return seg
 
     def prepare_info_for_collective(self) -> dict[str, Any]:
-        """The stream layout and bucket size a collective refit uses (every rank calls)."""
+        """The stream layout and bucket size a collective refit uses (every rank calls).
+
+        Returns:
+            ``{"layout": ..., "bucket_bytes": ...}``.
+        """
         from phalanx.weights import gather
 
         layout, _ = gather(self._full_refit_state(), dtype=self.dtype)
@@ -238,7 +275,13 @@ class RefitSource:
 
     def init_collective(self, ip: str, port: int, world_size: int) -> None:
         """Create the refit process group as its rank 0 (on policy rank 0; receivers join
-        as ranks 1..world_size-1). Gloo on CPU, NCCL on GPU."""
+        as ranks 1..world_size-1). Gloo on CPU, NCCL on GPU.
+
+        Args:
+            ip: the address of the process group's store.
+            port: its port.
+            world_size: the process group's size (this rank and the receivers).
+        """
         if self.rank != 0:
             return
         from phalanx.comm.process_group import host_store

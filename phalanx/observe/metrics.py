@@ -115,6 +115,13 @@ class MetricsLogger:
     ``use_tensorboard=None`` means "when the tensorboard package is installed";
     ``use_wandb=True`` logs to W&B when ``wandb`` is installed (a warning otherwise).
     Use as a context manager or call ``close()``. ``backends`` lists what is active.
+
+    Args:
+        run_dir: the run's directory (made if missing).
+        use_tensorboard: write TensorBoard event files too.
+        use_wandb: log to W&B too.
+        config: the run's configuration, written to ``config.json``.
+        wandb_project: the W&B project.
     """
 
     def __init__(
@@ -175,7 +182,20 @@ class MetricsLogger:
                 )
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
-        """Record ``metrics`` at ``step``; returns the row as written."""
+        """Record ``metrics`` at ``step``; returns the row as written.
+
+        Args:
+            step: the step.
+            metrics: the values, nested mappings flattened to ``a/b`` keys.
+
+        Returns:
+            The row.
+
+        Raises:
+            TypeError: ``step`` is not an int or ``metrics`` not a mapping.
+            RuntimeError: the logger is closed.
+            ValueError: ``metrics`` has a ``step`` or ``wall_time`` key.
+        """
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step must be an int, got {type(step).__name__}")
         if not isinstance(metrics, Mapping):
@@ -203,7 +223,17 @@ class MetricsLogger:
     def drop_after(self, step: int) -> int:
         """Remove the ``metrics.jsonl`` rows past ``step`` (a resumed run redoes those
         steps and logs them again); returns how many were removed. A torn last line from
-        a crash goes too."""
+        a crash goes too.
+
+        Args:
+            step: the last step kept.
+
+        Returns:
+            The number of rows removed.
+
+        Raises:
+            TypeError: ``step`` is not an int.
+        """
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step must be an int, got {type(step).__name__}")
         self._file.close()
@@ -231,7 +261,14 @@ class MetricsLogger:
         return dropped
 
     def log_config(self, config: Mapping[str, Any]) -> None:
-        """Write the run's configuration to ``run_dir/config.json`` (replacing it)."""
+        """Write the run's configuration to ``run_dir/config.json`` (replacing it).
+
+        Args:
+            config: the configuration.
+
+        Raises:
+            TypeError: ``config`` is not a mapping.
+        """
         if not isinstance(config, Mapping):
             raise TypeError(f"config must be a mapping, got {type(config).__name__}")
         with open(self.run_dir / CONFIG_FILE, "w", encoding="utf-8") as f:

@@ -106,6 +106,16 @@ class Progress:
     ``total`` may be None (no bar, a counter). ``start`` is where a resumed run begins.
     ``keys`` picks the stats shown (default: the standard keys of ``phalanx.observe.metrics``).
     Closes itself when ``completed`` reaches ``total``.
+
+    Args:
+        total: the count at the end (None: a counter without a bar).
+        start: the count to start from.
+        title: the display's title.
+        unit: what is counted.
+        keys: the stats shown.
+        enabled: show anything at all (None: unless ``PHALANX_PROGRESS`` is 0, false, no or off).
+        console: the ``rich`` console to draw on.
+        log_interval_s: seconds between lines when the output is not a terminal.
     """
 
     def __init__(
@@ -179,7 +189,17 @@ class Progress:
         *,
         advance: int | float | None = None,
     ) -> None:
-        """Set (``completed``) or advance (``advance``) the count; show ``stats``."""
+        """Set (``completed``) or advance (``advance``) the count; show ``stats``.
+
+        Args:
+            completed: the new count.
+            stats: values to show beside the bar.
+            advance: add this to the count.
+
+        Raises:
+            ValueError: both ``completed`` and ``advance`` are given.
+            TypeError: ``stats`` is not a mapping.
+        """
         if completed is not None and advance is not None:
             raise ValueError("give completed or advance, not both")
         if stats is not None and not isinstance(stats, Mapping):
@@ -203,7 +223,17 @@ class Progress:
 
     @contextmanager
     def waiting(self, what: str) -> Iterator[None]:
-        """Show "waiting for ``what``" (with its elapsed time) while the block runs."""
+        """Show "waiting for ``what``" (with its elapsed time) while the block runs.
+
+        Args:
+            what: what is waited for.
+
+        Yields:
+            Nothing; the display shows the wait while the block runs.
+
+        Raises:
+            ValueError: ``what`` is not a non-empty string.
+        """
         if not isinstance(what, str) or not what:
             raise ValueError(f"what must be a non-empty string, got {what!r}")
         previous, previous_since = self._waiting, self._wait_since
@@ -219,7 +249,11 @@ class Progress:
         return self._waiting
 
     def log(self, message: str) -> None:
-        """Print a message above the live display (or as a line)."""
+        """Print a message above the live display (or as a line).
+
+        Args:
+            message: the text.
+        """
         if self.enabled and not self._closed:
             self.console.print(message, highlight=False)
 

@@ -29,7 +29,16 @@ _issued_ports: set[tuple[str, int]] = set()
 
 @dataclass(frozen=True)
 class NodeInfo:
-    """One Ray node as phalanx sees it."""
+    """One Ray node as phalanx sees it.
+
+    Attributes:
+        node_rank: the node's rank (the driver's node is 0).
+        node_id: its Ray node id.
+        ip: its IP address.
+        num_cpus: its logical CPUs.
+        num_gpus: its GPUs.
+        is_driver_node: whether the driver runs on it.
+    """
 
     node_rank: int
     node_id: str
@@ -60,7 +69,8 @@ class Cluster:
     Args:
         num_nodes: wait (up to ``timeout_s``) until at least this many nodes are alive.
         address: a Ray address to join; ``None`` uses ``RAY_ADDRESS`` or starts Ray locally.
-        num_cpus / num_gpus: logical resources of an embedded Ray (ignored when joining).
+        num_cpus, num_gpus: logical resources of an embedded Ray (ignored when joining).
+        **ray_init_kwargs: more keyword arguments of ``ray.init``.
         timeout_s: how long to wait for ``num_nodes`` nodes.
 
     Ray's own start-up failures on a busy machine are retried for up to
@@ -116,7 +126,11 @@ class Cluster:
             time.sleep(0.5)
 
     def refresh(self) -> list[NodeInfo]:
-        """Re-read the alive nodes from Ray (node ranks stay deterministic)."""
+        """Re-read the alive nodes from Ray (node ranks stay deterministic).
+
+        Returns:
+            The nodes, in node-rank order (the driver's node first).
+        """
         driver_node = ray.get_runtime_context().get_node_id()
         alive = [n for n in ray.nodes() if n.get("Alive")]
         alive.sort(key=lambda n: (n["NodeID"] != driver_node, n["NodeManagerAddress"], n["NodeID"]))
@@ -135,14 +149,17 @@ class Cluster:
 
     @property
     def nodes(self) -> list[NodeInfo]:
+        """The alive nodes, in node-rank order."""
         return list(self._nodes)
 
     @property
     def num_nodes(self) -> int:
+        """The number of alive nodes."""
         return len(self._nodes)
 
     @property
     def num_gpus(self) -> int:
+        """The GPUs of all nodes."""
         return sum(n.num_gpus for n in self._nodes)
 
     @property
@@ -156,6 +173,17 @@ class Cluster:
         return max((n.num_gpus for n in self._nodes), default=0)
 
     def node(self, node_rank: int) -> NodeInfo:
+        """The node of rank ``node_rank``.
+
+        Args:
+            node_rank: the node's rank.
+
+        Returns:
+            Its ``NodeInfo``.
+
+        Raises:
+            ValueError: ``node_rank`` is out of range.
+        """
         if not 0 <= node_rank < len(self._nodes):
             raise ValueError(
                 f"node_rank {node_rank} out of range: cluster has {len(self._nodes)} node(s)"
@@ -163,15 +191,45 @@ class Cluster:
         return self._nodes[node_rank]
 
     def get_node_info(self, node_rank: int) -> NodeInfo:
-        """RLinf's name for ``node(node_rank)``."""
+        """RLinf's name for ``node(node_rank)``.
+
+        Args:
+            node_rank: the node's rank.
+
+        Returns:
+            Its ``NodeInfo``.
+
+        Raises:
+            ValueError: ``node_rank`` is out of range.
+        """
         return self.node(node_rank)
 
     def get_node_num_accelerators(self, node_rank: int) -> int:
-        """Accelerators of one node (RLinf's name)."""
+        """Accelerators of one node (RLinf's name).
+
+        Args:
+            node_rank: the node's rank.
+
+        Returns:
+            Its number of GPUs.
+
+        Raises:
+            ValueError: ``node_rank`` is out of range.
+        """
         return self.node(node_rank).num_gpus
 
     def get_node_ip(self, node_rank: int) -> str:
-        """IP address of one node (RLinf's name)."""
+        """IP address of one node (RLinf's name).
+
+        Args:
+            node_rank: the node's rank.
+
+        Returns:
+            Its IP address.
+
+        Raises:
+            ValueError: ``node_rank`` is out of range.
+        """
         return self.node(node_rank).ip
 
     @property
@@ -184,6 +242,17 @@ class Cluster:
         return out
 
     def node_rank_of(self, node_id: str) -> int:
+        """The rank of the node with Ray id ``node_id`` (re-reading the nodes once if unknown).
+
+        Args:
+            node_id: the Ray node id.
+
+        Returns:
+            The node's rank.
+
+        Raises:
+            ValueError: no alive node has that id.
+        """
         for n in self._nodes:
             if n.node_id == node_id:
                 return n.node_rank
@@ -194,9 +263,19 @@ class Cluster:
         raise ValueError(f"unknown Ray node id {node_id}")
 
     def available_resources(self) -> dict[str, float]:
+        """Ray's resources free now, by name (``CPU``, ``GPU``, ...).
+
+        Returns:
+            A dict from resource name to amount.
+        """
         return ray.available_resources()
 
     def total_resources(self) -> dict[str, float]:
+        """Ray's resources of the whole cluster, by name.
+
+        Returns:
+            A dict from resource name to amount.
+        """
         return ray.cluster_resources()
 
     def shutdown(self) -> None:

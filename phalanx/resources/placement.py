@@ -26,7 +26,28 @@ from phalanx.resources.cluster import Cluster
 
 @dataclass
 class WorkerSlot:
-    """Where one rank of a group runs and what it reserves."""
+    """Where one rank of a group runs and what it reserves.
+
+    Attributes:
+        rank: the rank.
+        node_rank: its node's rank.
+        local_rank: its rank on its node.
+        node_id: its node's Ray id.
+        node_ip: its node's IP address.
+        gpu_ids: the GPUs it sees.
+        num_cpus: CPUs it reserves.
+        num_gpus: GPUs it reserves in Ray.
+        scheduling_strategy: a Ray scheduling strategy (derived from the node if None).
+        placement_group: the Ray placement group it runs in.
+        bundle_index: its bundle in that group.
+        bundle_indices: ``(node, bundles)`` of a worker over several bundles.
+        isolate_gpu: it sees only its own GPUs.
+        local_world_size: the ranks on its node.
+        placement_node_rank: its node's rank among the placement's nodes.
+        isolate_accelerator: RLinf's name of ``isolate_gpu``.
+        accelerator_type: the accelerator's type.
+        port_range: the ports it may hand out.
+    """
 
     rank: int
     node_rank: int
@@ -57,6 +78,17 @@ class Placement:
     """Base class: ``slots(cluster)`` returns one ``WorkerSlot`` per rank."""
 
     def slots(self, cluster: Cluster) -> list[WorkerSlot]:
+        """One ``WorkerSlot`` per rank on ``cluster``.
+
+        Args:
+            cluster: the cluster to place on.
+
+        Returns:
+            The slots, in rank order.
+
+        Raises:
+            ValueError: the cluster cannot hold the placement.
+        """
         raise NotImplementedError(f"{type(self).__name__} must implement slots(cluster)")
 
 
@@ -127,6 +159,18 @@ class PackedPlacement(Placement):
     Each rank gets ``num_devices_per_process`` devices. With ``stride`` s, devices are taken
     in blocks of ``num_devices_per_process * s``; inside a block the j-th rank gets devices
     ``block + j, block + j + s, ...`` (s=1: contiguous devices).
+
+    Args:
+        start_device: the first global device.
+        end_device: the last global device (inclusive).
+        num_devices_per_process: devices per rank.
+        stride: the stride, as above.
+        num_cpus: CPUs each rank reserves.
+        isolate_gpu: each rank sees only its own GPUs.
+
+    Raises:
+        ValueError: the range is empty or not a multiple of
+            ``num_devices_per_process * stride``.
     """
 
     def __init__(
@@ -157,6 +201,11 @@ class PackedPlacement(Placement):
         self.num_cpus, self.isolate_gpu = num_cpus, isolate_gpu
 
     def devices_per_rank(self) -> list[list[int]]:
+        """The global devices of each rank, in rank order.
+
+        Returns:
+            A list of device lists.
+        """
         out = []
         block = self.num_devices_per_process * self.stride
         for base in range(self.start_device, self.end_device + 1, block):
@@ -167,6 +216,17 @@ class PackedPlacement(Placement):
         return out
 
     def slots(self, cluster: Cluster) -> list[WorkerSlot]:
+        """One slot per rank of ``devices_per_rank``.
+
+        Args:
+            cluster: as for ``Placement.slots``.
+
+        Returns:
+            The slots, in rank order.
+
+        Raises:
+            ValueError: a device is not on the cluster.
+        """
         return _device_slots(
             cluster, self.devices_per_rank(), self.num_cpus, self.isolate_gpu, "PackedPlacement"
         )
@@ -179,7 +239,13 @@ class PackedPlacement(Placement):
 
 
 class FlexiblePlacement(Placement):
-    """An explicit list of global device ids per rank, in rank order."""
+    """An explicit list of global device ids per rank, in rank order.
+
+    Args:
+        devices_per_process: the global device ids of each rank.
+        num_cpus: CPUs each rank reserves.
+        isolate_gpu: each rank sees only its own GPUs.
+    """
 
     def __init__(
         self, devices_per_process: list[list[int]], num_cpus: float = 1.0, isolate_gpu: bool = True
@@ -197,6 +263,17 @@ class FlexiblePlacement(Placement):
         self.num_cpus, self.isolate_gpu = num_cpus, isolate_gpu
 
     def slots(self, cluster: Cluster) -> list[WorkerSlot]:
+        """One slot per entry of ``devices_per_process``.
+
+        Args:
+            cluster: as for ``Placement.slots``.
+
+        Returns:
+            The slots, in rank order.
+
+        Raises:
+            ValueError: a device is not on the cluster.
+        """
         return _device_slots(
             cluster, self.devices_per_process, self.num_cpus, self.isolate_gpu, "FlexiblePlacement"
         )
@@ -223,6 +300,17 @@ class NodePlacement(Placement):
         self.num_workers, self.node_ranks, self.num_cpus = num_workers, node_ranks, num_cpus
 
     def slots(self, cluster: Cluster) -> list[WorkerSlot]:
+        """``num_workers`` CPU workers spread over ``node_ranks`` (every node if None).
+
+        Args:
+            cluster: as for ``Placement.slots``.
+
+        Returns:
+            The slots, in rank order.
+
+        Raises:
+            ValueError: ``node_ranks`` is empty or names a node the cluster lacks.
+        """
         node_ranks = (
             list(range(cluster.num_nodes)) if self.node_ranks is None else list(self.node_ranks)
         )

@@ -61,7 +61,21 @@ class PlacementIndexError(PlacementError, IndexError):
 @dataclass
 class RankPlacement:
     """Where one rank goes: RLinf's ``Placement`` record (phalanx's ``Placement`` is the
-    strategy base class, hence the different name)."""
+    strategy base class, hence the different name).
+
+    Attributes:
+        rank: the process's rank.
+        cluster_node_rank: its node's rank in the cluster.
+        placement_node_rank: its node's rank among the nodes this placement uses.
+        local_accelerator_rank: its first accelerator on its node (-1: none).
+        accelerator_type: the accelerator's type.
+        local_rank: its rank among the processes on its node.
+        local_world_size: the processes on its node.
+        visible_accelerators: the accelerators it sees.
+        isolate_accelerator: whether it sees only its own accelerators.
+        local_hardware_ranks: its accelerators on its node.
+        node_group_label: RLinf's node group.
+    """
 
     rank: int
     cluster_node_rank: int
@@ -84,10 +98,33 @@ class PlacementStrategy(Placement):
     def get_placement(
         self, cluster: Cluster, isolate_accelerator: bool = True
     ) -> list[RankPlacement]:
+        """Where each rank goes (RLinf's ``get_placement``).
+
+        Args:
+            cluster: the cluster to place on.
+            isolate_accelerator: each rank sees only its own accelerators.
+
+        Returns:
+            One ``RankPlacement`` per rank.
+
+        Raises:
+            PlacementError: the cluster cannot hold the placement.
+        """
         raise NotImplementedError(f"{type(self).__name__} must implement get_placement")
 
     def slots(self, cluster: Cluster, isolate_accelerator: bool = True) -> list[WorkerSlot]:
-        """The placements as phalanx worker slots (no GPU reserved in Ray, as in RLinf)."""
+        """The placements as phalanx worker slots (no GPU reserved in Ray, as in RLinf).
+
+        Args:
+            cluster: the cluster to place on.
+            isolate_accelerator: each rank sees only its own accelerators.
+
+        Returns:
+            The slots, in rank order.
+
+        Raises:
+            PlacementError: the cluster cannot hold the placement.
+        """
         out = []
         for p in self.get_placement(cluster, isolate_accelerator):
             node = cluster.node(p.cluster_node_rank)
@@ -169,7 +206,15 @@ def _device_placement(
 
 
 class PackedPlacementStrategy(PlacementStrategy):
-    """Processes packed over global accelerator ranks ``start..end`` (inclusive)."""
+    """Processes packed over global accelerator ranks ``start..end`` (inclusive).
+
+    Args:
+        start_hardware_rank: the first global accelerator.
+        end_hardware_rank: the last global accelerator (inclusive).
+        num_hardware_per_process: accelerators per process.
+        stride: the stride, as for ``PackedPlacement``.
+        node_group: RLinf's node group (only the default group is supported).
+    """
 
     def __init__(
         self,
@@ -208,6 +253,18 @@ class PackedPlacementStrategy(PlacementStrategy):
     def get_placement(
         self, cluster: Cluster, isolate_accelerator: bool = True
     ) -> list[RankPlacement]:
+        """Ranks packed over the hardware range, ``num_hardware_per_process`` each.
+
+        Args:
+            cluster, isolate_accelerator: as for ``PlacementStrategy.get_placement``.
+
+        Returns:
+            One ``RankPlacement`` per rank.
+
+        Raises:
+            PlacementError: the range exceeds the cluster's accelerators or a process's
+                accelerators span nodes.
+        """
         table = _hardware_map(cluster, "PackedPlacementStrategy")
         if self._end_hw_rank >= len(table):
             raise PlacementError(
@@ -251,6 +308,10 @@ class FlexiblePlacementStrategy(PlacementStrategy):
 
     Ranks are sorted within each process and processes are ordered by their first rank
     (so rank 0 is the process holding the lowest device), as RLinf does.
+
+    Args:
+        hardware_ranks_list: the global hardware ranks of each process.
+        node_group_label: RLinf's node group (only the default group is supported).
     """
 
     def __init__(
@@ -277,6 +338,18 @@ class FlexiblePlacementStrategy(PlacementStrategy):
     def get_placement(
         self, cluster: Cluster, isolate_accelerator: bool = True
     ) -> list[RankPlacement]:
+        """One rank per list of hardware ranks, ordered by its first one.
+
+        Args:
+            cluster, isolate_accelerator: as for ``PlacementStrategy.get_placement``.
+
+        Returns:
+            One ``RankPlacement`` per rank.
+
+        Raises:
+            PlacementError: a hardware rank is out of range, repeated, or a process's ranks
+                span nodes.
+        """
         table = _hardware_map(cluster, "FlexiblePlacementStrategy")
         per_process = []
         for ranks in self._hardware_ranks_list:
@@ -309,7 +382,12 @@ class FlexiblePlacementStrategy(PlacementStrategy):
 
 
 class NodePlacementStrategy(PlacementStrategy):
-    """One process per entry of ``node_ranks`` (sorted), seeing all GPUs of its node."""
+    """One process per entry of ``node_ranks`` (sorted), seeing all GPUs of its node.
+
+    Args:
+        node_ranks: one node rank per process.
+        node_group_label: RLinf's node group (only the default group is supported).
+    """
 
     def __init__(self, node_ranks: list[int], node_group_label: str | None = None):
         if node_group_label not in RESERVED_NODE_GROUPS:
@@ -325,6 +403,17 @@ class NodePlacementStrategy(PlacementStrategy):
     def get_placement(
         self, cluster: Cluster, isolate_accelerator: bool = True
     ) -> list[RankPlacement]:
+        """One rank per entry of ``node_ranks``, seeing every accelerator of its node.
+
+        Args:
+            cluster, isolate_accelerator: as for ``PlacementStrategy.get_placement``.
+
+        Returns:
+            One ``RankPlacement`` per rank.
+
+        Raises:
+            PlacementIndexError: a node rank is out of range.
+        """
         for r in self._node_ranks:
             if not 0 <= r < cluster.num_nodes:
                 raise PlacementIndexError(

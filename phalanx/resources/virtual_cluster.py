@@ -26,7 +26,26 @@ logger = logging.getLogger(__name__)
 
 
 class RayVirtualCluster:
-    """Bundles on Ray placement groups, one group per node entry or one unified group."""
+    """Bundles on Ray placement groups, one group per node entry or one unified group.
+
+    Args:
+        bundle_ct_per_node_list: bundles per node.
+        use_gpus: each bundle holds a GPU.
+        max_colocated_worker_groups: groups that share one bundle (a GPU's fraction each).
+        num_gpus_per_node: GPUs per node.
+        name: the placement groups' name prefix.
+        placement_group_strategy: Ray's strategy (``"SPREAD"``, ``"PACK"``, ...).
+        port_range_low: the lowest port handed out.
+        port_range_high: one past the highest port handed out.
+        use_unified_pg: one placement group over all nodes.
+        num_cpus_per_bundle: CPUs per bundle.
+        ready_timeout_s: seconds the placement groups may take to be ready.
+        cluster: the ``Cluster`` (if None, ``Cluster()``: the running Ray, or a local one it
+            starts).
+
+    Raises:
+        ValueError: ``bundle_ct_per_node_list`` is empty or an option is out of range.
+    """
 
     def __init__(
         self,
@@ -158,19 +177,47 @@ class RayVirtualCluster:
 
     # -- NeMo-RL API --------------------------------------------------------------------
     def get_placement_groups(self) -> list[PlacementGroup]:
+        """The Ray placement groups, one per node (or one in all when unified).
+
+        Returns:
+            The placement groups.
+        """
         return list(self._placement_groups)
 
     def world_size(self) -> int:
+        """The number of bundles in all.
+
+        Returns:
+            The number of bundles.
+        """
         return sum(self._bundle_ct_per_node_list)
 
     def node_count(self) -> int:
+        """The nodes that hold at least one bundle.
+
+        Returns:
+            The number of nodes.
+        """
         return sum(1 for c in self._bundle_ct_per_node_list if c > 0)
 
     @property
     def bundle_ct_per_node_list(self) -> list[int]:
+        """Bundles per node, as given."""
         return list(self._bundle_ct_per_node_list)
 
     def bundle_node_id(self, pg_idx: int, bundle_idx: int) -> str:
+        """The Ray node id that holds a bundle.
+
+        Args:
+            pg_idx: the placement group.
+            bundle_idx: the bundle in it.
+
+        Returns:
+            The node id.
+
+        Raises:
+            ValueError: there is no such bundle.
+        """
         try:
             return self._bundle_nodes[(pg_idx, bundle_idx)]
         except KeyError:
@@ -180,18 +227,46 @@ class RayVirtualCluster:
         self, pg_idx: int = 0, bundle_idx: int = 0
     ) -> tuple[str, int]:
         """IP of the node holding the bundle and a free port on it (within
-        ``[port_range_low, port_range_high)`` when those are set)."""
+        ``[port_range_low, port_range_high)`` when those are set).
+
+        Args:
+            pg_idx: the placement group.
+            bundle_idx: the bundle in it.
+
+        Returns:
+            ``(ip, port)``.
+
+        Raises:
+            ValueError: there is no such bundle.
+        """
         node_id = self.bundle_node_id(pg_idx, bundle_idx)
         ip = self.cluster.node(self.cluster.node_rank_of(node_id)).ip
         return ip, find_free_port(ip, node_id, self._port_range)
 
     def get_master_address_and_port(self) -> tuple[str, int]:
+        """The address and a free port of bundle 0 of placement group 0.
+
+        Returns:
+            ``(ip, port)``.
+        """
         return self.get_available_address_and_port(0, 0)
 
     def slots(
         self, bundle_indices_list: list[tuple[int, list[int]]], num_gpus: float | None = None
     ) -> list[WorkerSlot]:
-        """One slot per bundle of ``bundle_indices_list`` (``(pg_or_node_idx, [local bundles])``)."""
+        """One slot per bundle of ``bundle_indices_list`` (``(pg_or_node_idx, [local bundles])``).
+
+        Args:
+            bundle_indices_list: ``(placement group, [bundles])`` per worker.
+            num_gpus: the GPUs each worker reserves (by ``use_gpus`` if None).
+
+        Returns:
+            The worker slots.
+
+        Raises:
+            RuntimeError: the cluster was shut down.
+            ValueError: a placement group or bundle does not exist.
+        """
         if not self._placement_groups:
             raise RuntimeError("this RayVirtualCluster was shut down")
         per_worker_gpu = (1.0 / self.max_colocated_worker_groups) if self.use_gpus else 0.0
@@ -232,7 +307,11 @@ class RayVirtualCluster:
         return slots
 
     def shutdown(self) -> bool:
-        """Remove the placement groups (idempotent)."""
+        """Remove the placement groups (idempotent).
+
+        Returns:
+            True.
+        """
         for pg in self._placement_groups:
             try:
                 remove_placement_group(pg)

@@ -59,7 +59,19 @@ _LATE = "did not apply within"  # a worker still busy: no re-send, it may yet ap
 
 @dataclass
 class SyncResult:
-    """What one send did: who applied, who ignored it (not newer), who failed and why."""
+    """What one send did: who applied, who ignored it (not newer), who failed and why.
+
+    Attributes:
+        version: the send's version.
+        applied: the ranks that applied it.
+        ignored: the ranks that held a newer version.
+        failed: each failed rank's error.
+        timings: seconds per phase (``gather``, ``pack``, ``transfer``, ``apply``, ``total``).
+        transport: the transport asked for.
+        routes: the path each rank's bytes took: ``"shm"``, ``"shm_view"``, ``"cuda_ipc"``,
+            ``"object_store"`` or ``"collective"``.
+        missing: each rank's names not sent (a partial version, ``strict=False``).
+    """
 
     version: int
     applied: list[int] = field(default_factory=list)
@@ -115,6 +127,41 @@ class WeightSender:
     ``strict`` (default True): weights that lack some of a receiver's parameters are an
     error; False applies them as a partial version. ``allow_nonfinite`` (default False):
     NaN/Inf in floating-point weights is an error raised before anything is sent.
+
+    Args:
+        group: the launched group whose workers receive.
+        model: the module whose weights ``send()`` sends when given none.
+        transport: ``"auto"``, ``"shm"``, ``"object_store"`` or ``"collective"``.
+        bucket_size_mb: the size of one bucket of the collective and shm streams.
+        dtype: cast floating-point tensors to this dtype on the way.
+        name_map: a callable or dict renaming trainer names to receiver names.
+        backend: the collective's backend (``"gloo"``, ``"nccl"``; None picks by device).
+        timeout_s: seconds a send may take before the late workers count as failed.
+        apply_timeout_s: seconds a worker may take to apply (``timeout_s`` if None).
+        timers: where the send's phases are timed (a new recorder if None).
+        strict: weights must cover every parameter and buffer of the receivers.
+        allow_nonfinite: let NaN/Inf through.
+        shm_max_mb: the most ``/dev/shm`` this sender may use (no limit if None).
+
+    Raises:
+        TypeError: ``group`` is not a ``WorkerGroup``, or an argument has the wrong type.
+        ValueError: the group is not launched, or an argument is out of range.
+
+    Example:
+        >>> import torch
+        >>> import phalanx as px
+        >>> group = px.Worker.create_group().launch(
+        ...     px.Cluster(), px.NodePlacement(num_workers=2), name="example_receivers")
+        >>> def give_model(worker):
+        ...     worker.model = torch.nn.Linear(4, 4)
+        >>> _ = group.apply(give_model, [(0, (), {}), (1, (), {})]).wait()
+        >>> sender = px.WeightSender(group, torch.nn.Linear(4, 4))
+        >>> result = sender.send()
+        >>> (result.ok, result.applied, result.version)
+        (True, [0, 1], 1)
+        >>> sender.close()
+        >>> group.shutdown()
+        True
     """
 
     def __init__(
@@ -205,6 +252,21 @@ class WeightSender:
         """Send and block until the chosen workers applied the weights (all workers if None).
 
         ``strict`` overrides the sender's setting for this send (see the class docstring).
+
+        Args:
+            weights: a module, a dict of tensors or a TensorDict (the sender's model if None).
+            worker_ids: one rank or a list of ranks (every worker if None).
+            strict: this send's ``strict`` (the sender's if None).
+
+        Returns:
+            The ``SyncResult``: who applied, ignored or failed.
+
+        Raises:
+            RuntimeError: a ``send_async()`` is pending.
+            WeightMismatchError: a receiver's parameters do not match the weights
+                (``NoModelError`` when it holds no model).
+            ValueError: ``weights`` is None and the sender has no model, a rank is out of
+                range, or a tensor is not finite.
         """
         if self._pending is not None:
             raise RuntimeError("send(): a send_async() is pending; call wait_async() first")
@@ -221,13 +283,30 @@ class WeightSender:
         """Start a send and return at once; ``wait_async()`` completes it.
 
         The weights are snapshot before this returns, so the sender may keep training.
+
+        Args:
+            weights: as for ``send``.
+            worker_ids: as for ``send``.
+            strict: as for ``send``.
+
+        Raises:
+            RuntimeError: a previous ``send_async()`` is still pending.
+            ValueError: as for ``send``.
         """
         if self._pending is not None:
             raise RuntimeError("send_async(): a previous send_async() is still pending")
         self._pending = self._start(weights, worker_ids, snapshot=True, strict=strict)
 
     def wait_async(self) -> SyncResult:
-        """Block until the pending ``send_async()`` was applied; ``RuntimeError`` if none is pending."""
+        """Block until the pending ``send_async()`` was applied; ``RuntimeError`` if none is pending.
+
+        Returns:
+            The pending send's ``SyncResult``.
+
+        Raises:
+            RuntimeError: no send is pending.
+            WeightMismatchError: as for ``send``.
+        """
         pending = self._pending
         if pending is None:
             raise RuntimeError("wait_async(): no send_async() is pending")
@@ -237,7 +316,14 @@ class WeightSender:
             self._pending = None
 
     def update_weights(self, weights: Any) -> SyncResult:
-        """Send ``weights`` to every worker and wait (TorchRL's ``update_weights``)."""
+        """Send ``weights`` to every worker and wait (TorchRL's ``update_weights``).
+
+        Args:
+            weights: as for ``send``.
+
+        Returns:
+            The ``SyncResult``.
+        """
         return self.send(weights)
 
     def abandon_prepared(self) -> None:
@@ -281,6 +367,25 @@ class WeightSender:
         times out on it rather than wait). Versioning, validation, atomic apply and the
         ``SyncResult`` are those of ``send``; a restarted worker gets the last ``shm`` or
         ``cuda_ipc`` version again, while a ``collective`` one is not kept.
+
+        Args:
+            transport: the receiver half that reads the bytes: ``"shm"``, ``"cuda_ipc"`` or
+                ``"collective"``.
+            layout: the weights' ``Layout`` (names, shapes, dtypes, offsets).
+            payload: what that half reads, a dict as above.
+            worker_ids: as for ``send``.
+            strict: as for ``send``.
+            wait: block until applied; False returns at once.
+            beside_calls: receive beside the method in flight rather than after it.
+
+        Returns:
+            The ``SyncResult``, or None when ``wait`` is False.
+
+        Raises:
+            TypeError: ``payload`` is not a dict or ``layout`` not a ``Layout``.
+            ValueError: an ``"shm"`` payload lacks its ``path``.
+            RuntimeError: a send is pending.
+            WeightMismatchError: as for ``send``.
         """
         check_choice(transport, ("shm", "cuda_ipc", "collective"), "transport")
         if not isinstance(payload, Mapping):
@@ -330,6 +435,16 @@ class WeightSender:
         it on this node, and drop their mappings of buffers no longer in
         ``shared_buffers`` (retired ones), which would otherwise keep their memory alive.
         A reservation never sent is released by the next one.
+
+        Args:
+            nbytes: the size the writers need.
+
+        Returns:
+            The buffer's path.
+
+        Raises:
+            ValueError: ``nbytes`` is below 1.
+            RuntimeError: a send is pending.
         """
         check_int(nbytes, "nbytes", minimum=1)
         if self._pending is not None:
@@ -366,7 +481,7 @@ class WeightSender:
             )
         if not ids:
             raise ValueError("worker_ids is an empty list")
-        return check_ranks(dict.fromkeys(ids), n, "worker_ids")
+        return check_ranks(ids, n, "worker_ids", repeats="merge")
 
     def _strict(self, strict: Any) -> bool:
         if strict is not None and not isinstance(strict, bool):
@@ -665,6 +780,12 @@ class RayModuleTransformSender(WeightSender):
 
     ``target`` is a phalanx group (usually of one worker); ``worker_id`` picks the actor
     that hosts the module. ``send()`` with no ``worker_ids`` sends to that actor only.
+
+    Args:
+        target: the group holding the actor that hosts the module.
+        model: as for ``WeightSender``.
+        worker_id: the rank of that actor.
+        **kwargs: ``WeightSender``'s keyword arguments.
     """
 
     def __init__(
@@ -686,7 +807,14 @@ class RayModuleTransformSender(WeightSender):
         )
 
     def update_weights(self, weights: Any) -> SyncResult:
-        """Send ``weights`` to the actor that hosts the module and wait until applied."""
+        """Send ``weights`` to the actor that hosts the module and wait until applied.
+
+        Args:
+            weights: as for ``send``.
+
+        Returns:
+            The ``SyncResult``.
+        """
         return self.send(weights)
 
 

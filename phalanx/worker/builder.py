@@ -399,7 +399,12 @@ class _Initializer:
 
 
 class RayWorkerBuilder:
-    """A worker class (or ``"pkg.module.Class"``) plus its ``__init__`` arguments."""
+    """A worker class (or ``"pkg.module.Class"``) plus its ``__init__`` arguments.
+
+    Args:
+        ray_actor_class_fqn: the worker class, or its ``"pkg.module.Class"`` path.
+        *args, **kwargs: the worker's ``__init__`` arguments.
+    """
 
     IsolatedWorkerInitializer = ray.remote(num_cpus=0)(_Initializer)
 
@@ -422,6 +427,7 @@ class RayWorkerBuilder:
 
     @property
     def class_name(self) -> str:
+        """The worker class's name, without its module."""
         c = self.ray_actor_class_fqn
         if isinstance(c, str):
             return c.rpartition(".")[2]
@@ -438,7 +444,20 @@ class RayWorkerBuilder:
         py_executable: str | None = None,
         runtime_env: dict[str, Any] | None = None,
     ) -> RayWorkerBuilder:
-        """Per-class runtime environment: env vars, a Python executable, or a Ray runtime_env."""
+        """Per-class runtime environment: env vars, a Python executable, or a Ray runtime_env.
+
+        Args:
+            env_vars: environment variables of the class's workers.
+            py_executable: the Python executable they run.
+            runtime_env: a Ray runtime_env merged into theirs.
+
+        Returns:
+            This builder.
+
+        Raises:
+            TypeError: ``runtime_env`` is not a dict, or an env var is not a str.
+            ValueError: ``py_executable`` does not exist.
+        """
         self.env_vars.update(_check_env(env_vars, "env_vars"))
         if runtime_env:
             if not isinstance(runtime_env, dict):
@@ -477,7 +496,11 @@ class RayWorkerBuilder:
         return options
 
     def new_initializer(self) -> ray.actor.ActorHandle:
-        """An ``IsolatedWorkerInitializer`` actor in this class's runtime environment."""
+        """An ``IsolatedWorkerInitializer`` actor in this class's runtime environment.
+
+        Returns:
+            The initializer actor's handle.
+        """
         return self.IsolatedWorkerInitializer.options(
             runtime_env=self._initializer_runtime_env()
         ).remote(self.ray_actor_class_fqn, *self.args, **self.kwargs)
@@ -494,6 +517,18 @@ class RayWorkerBuilder:
         """Start creating a worker; returns ``(ref to its handle, the initializer or None)``.
 
         Keep the initializer alive as long as the worker: it owns the worker actor.
+
+        Args:
+            placement_group: the Ray placement group to place the worker in.
+            placement_group_bundle_index: its bundle (any if None).
+            num_gpus: the GPUs the worker's actor reserves.
+            bundle_indices: ``(node, bundle indices)`` of a worker that spans bundles.
+            initializer: an ``IsolatedWorkerInitializer`` to create it (one is made if None
+                and the class needs its own runtime environment).
+            **extra_options: more Ray actor options.
+
+        Returns:
+            ``(ref to the worker's handle, the initializer or None)``.
         """
         options = self._options(extra_options)
         if self.isolated:

@@ -79,7 +79,14 @@ class WeightsReceiverMixin:
         return receiver_state(self).missing
 
     def weights_module(self) -> Any:
-        """The ``torch.nn.Module`` that receives weights; ``self.model`` unless overridden."""
+        """The ``torch.nn.Module`` that receives weights; ``self.model`` unless overridden.
+
+        Returns:
+            The module.
+
+        Raises:
+            AttributeError: the worker has no ``model``.
+        """
         model = getattr(self, "model", None)
         if model is None:
             raise AttributeError(

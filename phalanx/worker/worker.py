@@ -39,7 +39,19 @@ __all__ = [
 
 @dataclass
 class WorkerInfo:
-    """Runtime facts about one worker (RLinf's ``WorkerInfo``)."""
+    """Runtime facts about one worker (RLinf's ``WorkerInfo``).
+
+    Attributes:
+        address: its ``WorkerAddress``.
+        rank: its rank.
+        node_id: its node's rank.
+        gpu_id: its first GPU, or None.
+        node_ip: its node's IP address.
+        available_gpus: the GPUs it sees.
+        local_rank: its rank on its node.
+        world_size: its group's size.
+        ray_node_id: its Ray node id.
+    """
 
     address: WorkerAddress
     rank: int
@@ -101,6 +113,15 @@ class Worker(CommMixin, WeightsReceiverMixin, ContextBound):
 
     Subclass it, then ``MyWorker.create_group(*init_args).launch(cluster, placement, name)``.
     Constructed outside a group (e.g. in a unit test), it behaves as rank 0 of 1.
+
+    Args:
+        *args, **kwargs: a subclass's own arguments.
+
+    Example:
+        >>> import phalanx as px
+        >>> worker = px.Worker()
+        >>> (worker.rank, worker.world_size, worker.get_name())
+        (0, 1, 'local_Worker:0')
     """
 
     timer = staticmethod(timer)
@@ -114,10 +135,12 @@ class Worker(CommMixin, WeightsReceiverMixin, ContextBound):
     # -- identity ---------------------------------------------------------------------
     @property
     def rank(self) -> int:
+        """This worker's rank in its group."""
         return self._px_ctx.rank
 
     @property
     def world_size(self) -> int:
+        """The number of workers in this worker's group."""
         return self._px_ctx.world_size
 
     # RLinf spells these with a leading underscore in its examples.
@@ -131,10 +154,12 @@ class Worker(CommMixin, WeightsReceiverMixin, ContextBound):
 
     @property
     def group_name(self) -> str:
+        """The name of this worker's group."""
         return self._px_ctx.group_name
 
     @property
     def worker_address(self) -> WorkerAddress:
+        """This worker's ``WorkerAddress``."""
         return WorkerAddress(self._px_ctx.group_name, self._px_ctx.rank)
 
     # RLinf's private spellings of the same facts (its code and tests read them).
@@ -182,6 +207,7 @@ class Worker(CommMixin, WeightsReceiverMixin, ContextBound):
 
     @property
     def worker_info(self) -> WorkerInfo:
+        """This worker's ``WorkerInfo``: address, rank, node, GPUs and node IP."""
         ctx = self._px_ctx
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         available = [int(x) for x in visible.split(",") if x.strip().isdigit()]
@@ -208,14 +234,31 @@ class Worker(CommMixin, WeightsReceiverMixin, ContextBound):
         )
 
     def get_name(self) -> str:
+        """This worker's name, ``"group:rank"``.
+
+        Returns:
+            The name.
+        """
         return self.worker_address.get_name()
 
     def get_parent_rank(self) -> int:
+        """The rank of this worker's parent address.
+
+        Returns:
+            The rank.
+        """
         return self.worker_address.get_parent_rank()
 
     # -- timers -----------------------------------------------------------------------
     def worker_timer(self, tag: str) -> AbstractContextManager[None]:
-        """``with self.worker_timer("step"): ...`` adds the block's duration to ``step``."""
+        """``with self.worker_timer("step"): ...`` adds the block's duration to ``step``.
+
+        Args:
+            tag: the timer's name.
+
+        Returns:
+            A context manager that times its block.
+        """
         return self._px_timers.span(tag)
 
     # -- groups -----------------------------------------------------------------------
@@ -224,6 +267,15 @@ class Worker(CommMixin, WeightsReceiverMixin, ContextBound):
         """An unlaunched group of this class; ``*args, **kwargs`` go to every worker's ``__init__``.
 
         Returns a ``phalanx.WorkerGroup`` (built by the factory ``phalanx.group`` registers).
+
+        Args:
+            *args, **kwargs: what every worker's ``__init__`` gets.
+
+        Returns:
+            An unlaunched ``WorkerGroup``; call ``launch()`` on it.
+
+        Raises:
+            RuntimeError: no group factory is registered (``phalanx`` was not imported).
         """
         if _group_factory is None:
             raise RuntimeError(
