@@ -33,6 +33,7 @@ from phalanx.llm.policy_config import (
     check_policy_config,
     dynamic_batching_enabled,
     sequence_packing_enabled,
+    train_batch_sizes,
 )
 from phalanx.resources.cluster import Cluster
 from phalanx.resources.placement import NodePlacement
@@ -271,15 +272,8 @@ class Policy:
         """
         _check_timer(timer)
         self._check(data, "train")
-        gbs = int(gbs or self.cfg["train_global_batch_size"])
-        mbs = int(mbs or self.cfg["train_micro_batch_size"])
-        if gbs % self.dp_size:
-            raise ValueError(f"gbs {gbs} is not divisible by the data-parallel size {self.dp_size}")
         plain = not (self.use_dynamic_batches or self.use_sequence_packing)
-        if plain and (gbs // self.dp_size) % mbs:
-            raise ValueError(
-                f"mbs {mbs} does not divide the per-rank global batch {gbs // self.dp_size}"
-            )
+        gbs, mbs, _ = train_batch_sizes(self.cfg, gbs, mbs, self.dp_size, plain)
         if data.size % gbs:
             raise ValueError(f"train: batch of {data.size} rows is not a multiple of gbs {gbs}")
         with _timed(timer, "policy_training/sharding_data"):

@@ -303,6 +303,41 @@ def _check_batching(config: dict[str, Any]) -> None:
         )
 
 
+def train_batch_sizes(
+    config: dict[str, Any], gbs: int | None, mbs: int | None, dp_size: int, plain: bool
+) -> tuple[int, int, int]:
+    """The global and micro batch sizes of one ``train`` call and the per-rank global batch.
+
+    Args:
+        config: the policy config (``train_global_batch_size``, ``train_micro_batch_size``).
+        gbs: the call's global batch size; None or 0 for the config's.
+        mbs: the call's micro-batch size; None or 0 for the config's.
+        dp_size: the data-parallel size the global batch is split over.
+        plain: micro-batches of ``mbs`` rows (neither dynamic batching nor packing).
+
+    Returns:
+        ``(gbs, mbs, gbs // dp_size)``.
+
+    Raises:
+        ValueError: ``gbs`` not divisible by ``dp_size``, or in ``plain`` mode ``mbs`` not
+            dividing the per-rank global batch.
+    """
+    gbs = int(gbs or config["train_global_batch_size"])
+    mbs = int(mbs or config["train_micro_batch_size"])
+    if gbs % dp_size:
+        raise ValueError(
+            f"gbs {gbs} is not divisible by the data-parallel size {dp_size} "
+            "(train_global_batch_size)"
+        )
+    local = gbs // dp_size
+    if plain and local % mbs:
+        raise ValueError(
+            f"mbs {mbs} does not divide the per-rank global batch {local} (gbs {gbs} / dp "
+            f"{dp_size}; train_micro_batch_size)"
+        )
+    return gbs, mbs, local
+
+
 def import_object(path: str, what: str) -> Any:
     """The object at dotted ``path`` ("module.Name"); ``what`` names the config key."""
     module, _, name = path.rpartition(".") if isinstance(path, str) else ("", "", "")

@@ -69,6 +69,7 @@ from phalanx.llm.policy_config import (
     dynamic_batching_enabled,
     logits_temperature,
     sequence_packing_enabled,
+    train_batch_sizes,
 )
 from phalanx.llm.refit_source import PG_TIMEOUT_S, RefitSource
 from phalanx.worker.worker import Worker
@@ -399,19 +400,8 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
             ConfigError: a token-level loss gets no ``token_mask``.
             RuntimeError: training with no optimizer (``init_optimizer=False``).
         """
-        gbs = int(gbs or self.cfg["train_global_batch_size"])
-        mbs = int(mbs or self.cfg["train_micro_batch_size"])
-        if gbs % self.dp_size:
-            raise ValueError(
-                f"gbs (train_global_batch_size) {gbs} is not divisible by the data-parallel "
-                f"size {self.dp_size}"
-            )
-        local_gbs = gbs // self.dp_size
-        if self.mode == "plain" and local_gbs % mbs:
-            raise ValueError(
-                f"mbs (train_micro_batch_size) {mbs} does not divide the per-rank global batch "
-                f"{local_gbs} (gbs {gbs} / dp {self.dp_size})"
-            )
+        plain = self.mode == "plain"
+        gbs, mbs, local_gbs = train_batch_sizes(self.cfg, gbs, mbs, self.dp_size, plain)
         self._check_batch(data, "train")
         if getattr(loss_fn, "loss_type", None) == LossType.TOKEN_LEVEL and "token_mask" not in data:
             raise ConfigError(
