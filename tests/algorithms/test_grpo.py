@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 
 import pytest
-import ray
 import torch
 
 import phalanx as px
@@ -23,6 +21,7 @@ from phalanx.algorithms.grpo import (
 from phalanx.algorithms.grpo_group_calls import generate as _generate
 from phalanx.algorithms.grpo_loss import OnPolicyPGLossFn
 from phalanx.llm.loss import ClippedPGLossConfig, ClippedPGLossFn, token_logprobs
+from tests.helpers import kill_generation_after_step_1
 
 
 @pytest.mark.smoke
@@ -225,27 +224,6 @@ def test_generate_retries_once_after_a_worker_died(cluster, model_path, tokenize
         gen.shutdown()
 
 
-def _kill_generation_after_step_1(run_dir: str, killed: list[float]) -> threading.Thread:
-    """Kill the generation worker once step 1's metrics row is written (in a thread)."""
-
-    def kill() -> None:
-        metrics = os.path.join(run_dir, "metrics.jsonl")
-        deadline = time.monotonic() + 300  # start-up takes minutes on a loaded machine
-        while time.monotonic() < deadline:
-            if os.path.exists(metrics):
-                with open(metrics) as f:
-                    if any("reward_mean" in line for line in f):
-                        break
-            time.sleep(0.005)
-        actor = ray.get_actor(f"grpo_generation_{os.getpid()}:0", namespace="phalanx")
-        ray.kill(actor, no_restart=True)
-        killed.append(time.monotonic())
-
-    killer = threading.Thread(target=kill, daemon=True)
-    killer.start()
-    return killer
-
-
 _CLI_RUN_COST = "a GRPO run through the CLI (its workers start, one is killed), then its resume"
 
 
@@ -270,7 +248,7 @@ def cli_run(cluster, tmp_path_factory) -> dict:
         "--no-progress",
     ]  # fmt: skip
     killed: list[float] = []
-    killer = _kill_generation_after_step_1(run_dir, killed)
+    killer = kill_generation_after_step_1(run_dir, killed)
     code = cli(argv)
     killer.join(5)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
