@@ -1,9 +1,12 @@
 """Helpers the tests share: polling with a deadline (never a sleep as synchronisation),
-which /dev/shm files a process's tensors live in, and loading a benchmark script."""
+which /dev/shm files a process's tensors live in, loading a benchmark script, and killing
+a GRPO run's generation worker after its first step."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -30,6 +33,30 @@ def until(pred: Callable[[], Any], timeout: float = 60.0, interval: float = 0.02
             return True
         time.sleep(interval)
     return bool(pred())
+
+
+def kill_generation_after_step_1(run_dir: str, killed: list[float]) -> threading.Thread:
+    """Kill this process's GRPO generation worker (rank 0) once step 1's metrics row is in
+    ``run_dir``, from a thread; the kill's time is appended to ``killed``."""
+    import ray
+
+    def kill() -> None:
+        metrics = os.path.join(run_dir, "metrics.jsonl")
+
+        def step_1_done() -> bool:
+            if not os.path.exists(metrics):
+                return False
+            with open(metrics) as f:
+                return any("reward_mean" in line for line in f)
+
+        if until(step_1_done, 300, interval=0.005):  # start-up takes minutes when loaded
+            actor = ray.get_actor(f"grpo_generation_{os.getpid()}:0", namespace="phalanx")
+            ray.kill(actor, no_restart=True)
+            killed.append(time.monotonic())
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
 
 
 def shm_files(tensors: Iterable[Any]) -> tuple[set[str], int]:

@@ -30,6 +30,7 @@ from dataclasses import replace
 from typing import Any
 
 import gymnasium as gym
+import ray
 import torch
 
 from phalanx._base.checks import check_int, check_ranks, check_timeout
@@ -170,6 +171,7 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         self._spares: list[int] = []
         self._handed_over: list[int] = []  # ids a standby took over since the last probe
         self._round_ids: dict[int, int] = {}  # rank -> runner id of the round in flight
+        self._stalled: dict[int, Any] = {}  # rank -> its last sample call past the timeout
         self.num_standby_takeovers = 0
         self._sender: Any = None
         self._sync_pending = False
@@ -289,6 +291,7 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         """Make ``group`` this set's remote runners (its last ``num_standby`` ranks stand by)."""
         self._group = group
         self._assign_ranks(group.world_size, num_standby)
+        self._stalled = {}
         self._failures = {}
         self._register_restore_state()
 
@@ -604,6 +607,7 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
             if rank in pending:
                 stalled[rank] = f"sample() still running after sample_timeout_s={timeout}"
                 self._group.take_out_of_service(rank, stalled[rank], running=ref)
+                self._stalled[rank] = ref
                 logger.warning("%s: %s: its batch is dropped", self._label(rank), stalled[rank])
         self._count_failures(results, stalled)
         return [v for _, v in self._settle(results, "sample")]
@@ -683,9 +687,13 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
             self._local.stop()
         self._close_sender()
         if self._group is not None:
-            # Every runner, in service or not (RLlib stops them all); one stuck in a call
-            # does not answer in time and the shutdown ends it.
-            results = self._group.foreach_actor("stop", healthy_only=False, timeout_seconds=10.0)
+            # Every runner, in service or not (RLlib stops them all), but one whose stalled
+            # sample call still runs: its stop would queue behind it, and the shutdown ends it.
+            stuck = {r for r, ref in self._stalled.items() if not _finished(ref)}
+            ranks = [r for r in range(self._group.world_size) if r not in stuck] if stuck else None
+            results = self._group.foreach_actor(
+                "stop", healthy_only=False, remote_actor_ids=ranks, timeout_seconds=10.0
+            )
             for r in results.errors:
                 logger.info(
                     "stopping %s: %s", self._label(r.actor_id), str(r.get()).splitlines()[0]
@@ -701,6 +709,11 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
 
 
 _RESTARTING = WorkerHealth.RESTARTING
+
+
+def _finished(ref: Any) -> bool:
+    """Whether a call's ref has its result (or its error) now."""
+    return bool(ray.wait([ref], timeout=0, fetch_local=False)[0])
 
 
 def _env_spaces(runner: EnvRunner) -> tuple[gym.Space, gym.Space]:

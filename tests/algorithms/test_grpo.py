@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 
 import pytest
-import ray
 import torch
 
 import phalanx as px
@@ -23,6 +21,7 @@ from phalanx.algorithms.grpo import (
 from phalanx.algorithms.grpo_group_calls import generate as _generate
 from phalanx.algorithms.grpo_loss import OnPolicyPGLossFn
 from phalanx.llm.loss import ClippedPGLossConfig, ClippedPGLossFn, token_logprobs
+from tests.helpers import kill_generation_after_step_1
 
 
 @pytest.mark.smoke
@@ -225,55 +224,15 @@ def test_generate_retries_once_after_a_worker_died(cluster, model_path, tokenize
         gen.shutdown()
 
 
-@pytest.mark.slow(reason="a GRPO run: its policy and generation workers start, one is killed")
-@pytest.mark.timeout(400)
-def test_grpo_survives_a_generation_worker_killed_between_steps(cluster, tmp_path):
-    run_dir = str(tmp_path / "run")
-    cfg = GRPOConfig.tiny(
-        run_dir=run_dir,
-        steps=2,
-        prompts_per_step=2,
-        samples_per_prompt=2,
-        train_micro_batch_size=2,
-        num_policy_workers=1,  # the generation worker's restart is what is checked
-        warmup_steps=0,
-        warmup_batch_size=2,
-        eval_every=0,
-        checkpoint_every=100,
-        progress=False,
-    )
-    killed: list[float] = []
-
-    def kill_after_step_1() -> None:
-        metrics = os.path.join(run_dir, "metrics.jsonl")
-        deadline = time.monotonic() + 300  # start-up takes minutes on a loaded machine
-        while time.monotonic() < deadline:
-            if os.path.exists(metrics):
-                with open(metrics) as f:
-                    if any("reward_mean" in line for line in f):
-                        break
-            time.sleep(0.005)
-        actor = ray.get_actor(f"grpo_generation_{os.getpid()}:0", namespace="phalanx")
-        ray.kill(actor, no_restart=True)
-        killed.append(time.monotonic())
-
-    killer = threading.Thread(target=kill_after_step_1, daemon=True)
-    killer.start()
-    hist = train(cfg, cluster)["history"]
-    killer.join(5)
-    assert killed, "the generation worker was not killed"
-    assert [h["step"] for h in hist] == [1, 2]
-    assert hist[0]["generation_restarts"] == 0
-    assert hist[1]["generation_restarts"] == 1  # restarted, refitted, and step 2 ran
-    assert all(h["response_length"] > 0 for h in hist)
+_CLI_RUN_COST = "a GRPO run through the CLI (its workers start, one is killed), then its resume"
 
 
-@pytest.mark.slow(reason="two GRPO runs (a run, then its resume), each starting its workers")
-@pytest.mark.timeout(300)
-def test_two_steps_through_the_cli_then_resume(cluster, tmp_path):
-    """``phalanx train grpo --model tiny ...``: flags from the config dataclass, held-out
-    accuracy in metrics.jsonl, a checkpoint, and --resume taking its config from it."""
-    run_dir = str(tmp_path / "run")
+@pytest.fixture(scope="module")
+def cli_run(cluster, tmp_path_factory) -> dict:
+    """``phalanx train grpo --model tiny ...`` for two steps with one policy worker, its
+    generation worker killed after step 1: one run shared by the CLI test and the
+    killed-generation-worker test. Its rows are read before any test resumes it."""
+    run_dir = str(tmp_path_factory.mktemp("grpo_cli") / "run")
     argv = [
         "--model", "tiny",
         "--run-dir", run_dir,
@@ -288,9 +247,34 @@ def test_two_steps_through_the_cli_then_resume(cluster, tmp_path):
         "--checkpoint-every", "2",
         "--no-progress",
     ]  # fmt: skip
-    assert cli(argv) == 0
+    killed: list[float] = []
+    killer = kill_generation_after_step_1(run_dir, killed)
+    code = cli(argv)
+    killer.join(5)
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(x) for x in f]
+    return {"run_dir": run_dir, "argv": argv, "code": code, "rows": rows, "killed": killed}
+
+
+@pytest.mark.slow(reason=_CLI_RUN_COST)
+@pytest.mark.timeout(400)
+def test_grpo_survives_a_generation_worker_killed_between_steps(cli_run):
+    assert cli_run["code"] == 0
+    assert cli_run["killed"], "the generation worker was not killed"
+    hist = [r for r in cli_run["rows"] if "reward_mean" in r]
+    assert [h["step"] for h in hist] == [1, 2]
+    assert hist[0]["generation_restarts"] == 0
+    assert hist[1]["generation_restarts"] == 1  # restarted, refitted, and step 2 ran
+    assert all(h["response_length"] > 0 for h in hist)
+
+
+@pytest.mark.slow(reason=_CLI_RUN_COST)
+@pytest.mark.timeout(400)
+def test_two_steps_through_the_cli_then_resume(cli_run):
+    """``phalanx train grpo --model tiny ...``: flags from the config dataclass, held-out
+    accuracy in metrics.jsonl, a checkpoint, and --resume taking its config from it."""
+    run_dir, argv, rows = cli_run["run_dir"], cli_run["argv"], cli_run["rows"]
+    assert cli_run["code"] == 0
     assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2]
     assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 1, 2]
     step2 = [r for r in rows if r["step"] == 2][0]

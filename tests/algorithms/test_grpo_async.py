@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import threading
-import time
 
 import pytest
 import ray
@@ -26,7 +25,7 @@ from phalanx.comm.shm import reap_orphans
 from phalanx.data import BatchedDataDict
 from phalanx.llm.loss import ClippedPGLossConfig, token_logprobs
 from phalanx.llm.policy_config import ConfigError
-from tests.helpers import until
+from tests.helpers import kill_generation_after_step_1, until
 
 
 def _rows(n: int, tag: float) -> BatchedDataDict:
@@ -202,32 +201,12 @@ def test_async_run_trains_on_current_or_previous_versions(cluster, tmp_path):
     assert not [t for t in threading.enumerate() if t.name == "grpo-collector"]
 
 
-def _kill_generation_after_step_1(run_dir: str, killed: list[float]) -> threading.Thread:
-    def kill() -> None:
-        metrics = os.path.join(run_dir, "metrics.jsonl")
-
-        def step_1_done() -> bool:
-            if not os.path.exists(metrics):
-                return False
-            with open(metrics) as f:
-                return any("reward_mean" in line for line in f)
-
-        if until(step_1_done, 300, interval=0.005):
-            actor = ray.get_actor(f"grpo_generation_{os.getpid()}:0", namespace="phalanx")
-            ray.kill(actor, no_restart=True)
-            killed.append(time.monotonic())
-
-    thread = threading.Thread(target=kill, daemon=True)
-    thread.start()
-    return thread
-
-
 @pytest.mark.slow(reason="two GRPO runs: a killed generation worker tolerated, then fatal")
 @pytest.mark.timeout(600)
 def test_generation_worker_killed_mid_run_within_and_beyond_max_failures(cluster, tmp_path):
     run_dir = str(tmp_path / "tolerated")
     killed: list[float] = []
-    killer = _kill_generation_after_step_1(run_dir, killed)
+    killer = kill_generation_after_step_1(run_dir, killed)
     hist = train(_tiny_async(run_dir, max_generation_failures=1), cluster)["history"]
     killer.join(5)
     assert killed, "the generation worker was not killed"
@@ -237,7 +216,7 @@ def test_generation_worker_killed_mid_run_within_and_beyond_max_failures(cluster
 
     run_dir = str(tmp_path / "aborted")
     killed.clear()
-    killer = _kill_generation_after_step_1(run_dir, killed)
+    killer = kill_generation_after_step_1(run_dir, killed)
     with pytest.raises(GenerationFailedError, match="max_generation_failures=0"):
         train(_tiny_async(run_dir, max_generation_failures=0), cluster)
     killer.join(5)

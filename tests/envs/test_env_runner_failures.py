@@ -24,6 +24,9 @@ from tests.envs.faulty_env import make_faulty_cartpole
 
 pytestmark = pytest.mark.timeout(300)
 
+# A hanging runner's round waits this long: what is checked is what happens after it.
+HANG_TIMEOUT_S = 3.0
+
 MODES = {
     "restart": dict(restart_failed_env_runners=True, ignore_env_runner_failures=False),
     "ignore": dict(restart_failed_env_runners=False, ignore_env_runner_failures=True),
@@ -77,7 +80,7 @@ EXPECTED = {
 @pytest.mark.parametrize(("fault", "mode"), sorted(EXPECTED))
 def test_fault_schedule(cluster, tmp_path, fault, mode):
     round2, probed, restarts, round3, new_pid = EXPECTED[(fault, mode)]
-    extra = {"sample_timeout_s": 8.0} if fault == "hang" else {}
+    extra = {"sample_timeout_s": HANG_TIMEOUT_S} if fault == "hang" else {}
     g = _group(cluster, tmp_path, f"fail_{fault}_{mode}", mode, fault, **extra)
     try:
         pid2 = _pids(g, [2])[0]
@@ -246,10 +249,13 @@ def test_async_error_raises_with_both_off_and_keeps_the_other_results(cluster, t
 
 
 def test_stop_frees_every_actor(cluster, tmp_path):
-    g = _group(cluster, tmp_path, "fail_stop", "ignore", "hang", sample_timeout_s=8.0)
+    g = _group(cluster, tmp_path, "fail_stop", "ignore", "hang", sample_timeout_s=HANG_TIMEOUT_S)
     assert _round(g) == [1, 2]
     assert _round(g) == [1]  # runner 2 is stuck in step()
+    t0 = time.monotonic()
     g.stop()
+    # no stop call is left waiting (10 s) behind the stuck runner's sample
+    assert time.monotonic() - t0 < 10.0
     alive = [
         a
         for a in ray.util.list_named_actors(all_namespaces=True)
