@@ -251,6 +251,7 @@ class GRPORun:
         self.evals: list[tuple[int, float]] = []
         self.p_correct: list[tuple[int, float]] = []
         self.warmed_up = False  # the warm-up ran before the policy (LoRA)
+        self.cluster: Any = None
 
     def launch(self, cluster: Any, ckpt: str | None, metrics: Any) -> None:
         """The policy (from checkpoint ``ckpt`` when resuming) and generation groups, placed
@@ -265,7 +266,7 @@ class GRPORun:
         from phalanx.llm.refit import Refitter
 
         cfg, plan = self.cfg, self.plan
-        cluster = cluster if cluster is not None else px.Cluster()
+        cluster = self.cluster = cluster if cluster is not None else px.Cluster()
         if plan.warm and cfg.lora_rank and ckpt is None:
             whole = {k: v for k, v in plan.policy_cfg.items() if k != "dtensor_cfg"}
             full = self._start_policy(cluster, whole, None, init_reference_model=False)
@@ -286,19 +287,43 @@ class GRPORun:
                 # A dead generation worker is restarted, and refitted before it is called.
                 restart_policy=px.RestartPolicy(),
             )
-        pg = self.policy.worker_group
-        place_group(pg, plan.policy_threads, plan.policy_cpus)
         place_group(self.generation, None, plan.gen_cpus)  # its threads are in gen_cfg
         if cfg.async_grpo and cfg.placement != "disaggregated" and not cfg.num_threads:
             # every core for the policy while no generation batch runs (phase_threads)
             idle = max(1, len(os.sched_getaffinity(0)) // cfg.num_policy_workers)
             self.phase = PhaseThreads(busy=plan.policy_threads, idle=idle)
-            calls = [(r, (self.phase.path,), {}) for r in range(pg.world_size)]
-            pg.apply(follow_phase_threads, calls, label="follow_threads").wait(timeout=60)
+        self._place_policy()
         # Overlapping phases: the generators' memory is not a phase's (not measured).
+        pg = self.policy.worker_group
         groups = {"policy": pg} if cfg.async_grpo else {"policy": pg, "generation": self.generation}
         self.memory = PhaseMemory(groups)
         self.refitter = Refitter(self.policy, self.generation, cfg.refit_transport)
+
+    def _place_policy(self) -> None:
+        """The policy workers' threads and cores, and the phase's thread count to follow."""
+        pg = self.policy.worker_group
+        place_group(pg, self.plan.policy_threads, self.plan.policy_cpus)
+        if self.phase is not None:
+            calls = [(r, (self.phase.path,), {}) for r in range(pg.world_size)]
+            pg.apply(follow_phase_threads, calls, label="follow_threads").wait(timeout=60)
+
+    def relaunch_policy(self, state_dir: str) -> None:
+        """Replace the policy group (one of its ranks died) by a new one whose state is read
+        from ``state_dir`` (a checkpoint's ``weights`` and ``optim``), placed as the old one
+        and refitted from from now on. The reference is built as a resumed run builds it."""
+        cfg, plan = self.cfg, self.plan
+        self.policy.worker_group.shutdown(
+            timeout=5.0, force=True
+        )  # the live ranks wait on the dead
+        policy_cfg = (
+            {**plan.policy_cfg, "model_name": plan.sft_dir} if plan.warm else plan.policy_cfg
+        )
+        self.policy = self._start_policy(
+            self.cluster, policy_cfg, state_dir, init_reference_model=cfg.kl_beta > 0 or plan.warm
+        )
+        self._place_policy()
+        self.memory.groups["policy"] = self.policy.worker_group
+        self.refitter.replace_policy(self.policy)
 
     def _start_policy(
         self, cluster: Any, policy_cfg: dict[str, Any], ckpt: str | None, **kwargs: Any
