@@ -154,3 +154,32 @@ def test_a_death_past_max_restarts_ends_the_run_with_exit_4_and_a_resumable_fold
     assert [h["step"] for h in resumed["history"]] == [3]
     steps = [r["step"] for r in read_metrics(run_dir) if "reward_mean" in r]
     assert steps == [1, 2, 3]
+
+
+@pytest.mark.timeout(60)
+def test_report_lists_the_recoveries_and_marks_them_on_the_curve(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from phalanx.cli.report import summarize, write_report
+    from phalanx.observe.metrics import MetricsLogger
+    from phalanx.observe.plots import _figure, _mark_recoveries
+
+    with MetricsLogger(tmp_path, use_tensorboard=False) as log:
+        for step in (1, 2, 3):
+            if step == 2:
+                log.log(2, {"recovery/seconds": 4.5, "recovery/group": "policy",
+                            "recovery/step": 2, "recovery/repeated": "refit"})  # fmt: skip
+            log.log(step, {"reward_mean": 0.1 * step, "time/training": 0.5})
+    rows = read_metrics(tmp_path)
+
+    assert summarize(tmp_path)["recoveries"] == "step 2 (policy, 4.5 s)"
+    ax = _figure(4, 3).add_subplot()
+    ax.plot([1, 2, 3], [0.1, 0.2, 0.3])
+    ax.set_xlabel("step")
+    (handle,) = _mark_recoveries(ax, rows)
+    assert handle.get_label() == "recovery (1: a group relaunched, its step redone)"
+    assert list(handle.get_xdata()) == [2, 2]
+    assert write_report(tmp_path, console=None)["learning_curve"] == str(
+        tmp_path / "learning_curve.png"
+    )
