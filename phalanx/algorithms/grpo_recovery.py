@@ -109,16 +109,17 @@ class PolicyRecovery:
         t = time.perf_counter()
         self.restarts += 1
         run = self.run
-        run.relaunch_policy(self.good)
-        t_loaded = time.perf_counter()
+        parts = run.relaunch_policy(self.good)
+        t_refit = time.perf_counter()
         with run.rollouts.paused():
             run.refitter.refit()
         seconds = time.perf_counter() - t
         reason = f"{error.group}[rank {rank}] died in {error.method}()"
         self.metrics.log(step, {
             "recovery/seconds": seconds,
-            "recovery/relaunch_seconds": t_loaded - t,
-            "recovery/refit_seconds": seconds - (t_loaded - t),
+            "recovery/shutdown_seconds": parts["shutdown"],
+            "recovery/start_seconds": parts["start"],
+            "recovery/refit_seconds": time.perf_counter() - t_refit,
             "recovery/group": "policy",
             "recovery/rank": rank,
             "recovery/step": step,

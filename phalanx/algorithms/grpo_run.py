@@ -307,14 +307,16 @@ class GRPORun:
             calls = [(r, (self.phase.path,), {}) for r in range(pg.world_size)]
             pg.apply(follow_phase_threads, calls, label="follow_threads").wait(timeout=60)
 
-    def relaunch_policy(self, state_dir: str) -> None:
+    def relaunch_policy(self, state_dir: str) -> dict[str, float]:
         """Replace the policy group (one of its ranks died) by a new one whose state is read
         from ``state_dir`` (a checkpoint's ``weights`` and ``optim``), placed as the old one
-        and refitted from from now on. The reference is built as a resumed run builds it."""
+        and refitted from from now on; the seconds its shutdown and its start (the state's
+        load included) took. The reference is built as a resumed run builds it."""
         cfg, plan = self.cfg, self.plan
-        self.policy.worker_group.shutdown(
-            timeout=5.0, force=True
-        )  # the live ranks wait on the dead
+        t = time.perf_counter()
+        # No clean-up call: the live ranks are stuck in a collective with the dead one.
+        self.policy.worker_group.shutdown(timeout=5.0, force=True)
+        t_down = time.perf_counter()
         policy_cfg = (
             {**plan.policy_cfg, "model_name": plan.sft_dir} if plan.warm else plan.policy_cfg
         )
@@ -324,6 +326,7 @@ class GRPORun:
         self._place_policy()
         self.memory.groups["policy"] = self.policy.worker_group
         self.refitter.replace_policy(self.policy)
+        return {"shutdown": t_down - t, "start": time.perf_counter() - t_down}
 
     def _start_policy(
         self, cluster: Any, policy_cfg: dict[str, Any], ckpt: str | None, **kwargs: Any

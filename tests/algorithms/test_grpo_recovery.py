@@ -183,3 +183,16 @@ def test_report_lists_the_recoveries_and_marks_them_on_the_curve(tmp_path):
     assert write_report(tmp_path, console=None)["learning_curve"] == str(
         tmp_path / "learning_curve.png"
     )
+
+
+@pytest.mark.timeout(60)
+def test_a_negative_max_restarts_is_refused_naming_the_flag(tmp_path, capsys):
+    from phalanx.algorithms.grpo import cli
+
+    run_dir = tmp_path / "run"
+    argv = ["--model", "tiny", "--run-dir", str(run_dir), "--max-restarts", "-1"]
+    assert cli(argv) == harness.BAD_INPUT
+    assert capsys.readouterr().err == (
+        "phalanx train grpo: error: max_restarts must be >= 0, got -1 (flag --max-restarts)\n"
+    )
+    assert not run_dir.exists()
