@@ -82,7 +82,7 @@ def _recoveries(run_dir: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow(reason="two three-step GRPO runs with two policy relaunches")
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_policy_rank_killed_in_training_and_in_refit_ends_with_undisturbed_weights(
     cluster, tmp_path
 ):
@@ -112,7 +112,7 @@ def test_policy_rank_killed_in_training_and_in_refit_ends_with_undisturbed_weigh
 
 
 @pytest.mark.slow(reason="a GRPO run with one policy relaunch, then its resume")
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_a_death_past_max_restarts_ends_the_run_with_exit_4_and_a_resumable_folder(
     cluster, tmp_path, capsys
 ):
