@@ -89,26 +89,34 @@ def _peak_rss_gb(worker: Any = None) -> float:
 
 class PhaseMemory:
     """Peak resident memory of every worker of ``groups`` during each phase (GB, max over
-    ranks): the kernel's per-process high-water mark, reset when a phase starts."""
+    ranks): the kernel's per-process high-water mark, reset when a phase starts.
+
+    A group with a rank that stays dead is left out (0.0 when no group is left): the
+    measurement never ends a run, the group's next call of the run meets the death."""
 
     def __init__(self, groups: dict[str, Any]):
         self.groups = groups
 
     def _all(self, fn) -> list[float]:
+        from phalanx._base.errors import WorkerDiedError
+
         out = []
         for g in self.groups.values():
             calls = [(r, (), {}) for r in range(g.world_size)]
             label = fn.__name__.strip("_")
-            out.extend(
-                _retry_once_after_death(functools.partial(g.apply, fn, calls, label=label), 60)
-            )
+            try:
+                out.extend(
+                    _retry_once_after_death(functools.partial(g.apply, fn, calls, label=label), 60)
+                )
+            except WorkerDiedError:
+                continue
         return out
 
     def reset(self) -> None:
         self._all(_reset_peak_rss)
 
     def peak(self) -> float:
-        return max(self._all(_peak_rss_gb))
+        return max(self._all(_peak_rss_gb), default=0.0)
 
 
 def set_threads(worker: Any, n: int) -> int:

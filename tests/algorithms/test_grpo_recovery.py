@@ -196,3 +196,29 @@ def test_a_negative_max_restarts_is_refused_naming_the_flag(tmp_path, capsys):
         "phalanx train grpo: error: max_restarts must be >= 0, got -1 (flag --max-restarts)\n"
     )
     assert not run_dir.exists()
+
+
+@pytest.mark.timeout(120)
+def test_phase_memory_leaves_out_a_group_whose_rank_died(cluster):
+    """A policy rank that dies while another phase runs (generation) does not end the run
+    there: the memory measurement skips its group, the policy's next call recovers it."""
+    import ray
+
+    import phalanx as px
+    from phalanx.algorithms.grpo_group_calls import PhaseMemory, _peak_rss_gb
+    from tests.workers import Recorder
+
+    lost = Recorder.create_group().launch(cluster, px.NodePlacement(num_workers=2), name="lost")
+    kept = Recorder.create_group().launch(cluster, px.NodePlacement(num_workers=1), name="kept")
+    try:
+        memory = PhaseMemory({"policy": lost, "generation": kept})
+        memory.reset()
+        ray.kill(lost.actors[1], no_restart=True)
+        memory.reset()
+        assert len(memory._all(_peak_rss_gb)) == 1  # the one rank of "kept"
+        assert memory.peak() > 0.0
+        assert lost.health()[1] == px.WorkerHealth.DEAD
+        assert PhaseMemory({"policy": lost}).peak() == 0.0
+    finally:
+        lost.shutdown(timeout=10)
+        kept.shutdown(timeout=10)
