@@ -90,22 +90,32 @@ class PolicyRecovery:
             try:
                 return fn()
             except WorkerError as e:
-                rank = dead_rank(self.run.policy.worker_group, e)
-                if rank is None:
-                    raise
-                if self.restarts >= self.max_restarts:
-                    raise RestartBudgetSpentError(
-                        e.group, e.rank, e.method, e.remote_traceback, e.cause_type,
-                        f"rank {rank} died after the policy group was relaunched "
-                        f"{self.restarts} time(s) (max_restarts={self.max_restarts}): "
-                        f"{e.message or type(e).__name__}",
-                    ) from e  # fmt: skip
-                self._recover(step, phase, rank, e)
+                self._recover_or_raise(step, phase, e)
+
+    def _recover_or_raise(self, step: int, phase: str, error: WorkerError) -> None:
+        """Recover from ``error`` if it is a policy rank's death and the budget allows, else
+        raise; a death during the recovery itself is recovered (and counted) the same way."""
+        while True:
+            rank = dead_rank(self.run.policy.worker_group, error)
+            if rank is None or self.good is None:  # no death, or no state kept yet
+                raise error
+            if self.restarts >= self.max_restarts:
+                e = error
+                raise RestartBudgetSpentError(
+                    e.group, e.rank, e.method, e.remote_traceback, e.cause_type,
+                    f"rank {rank} died after the policy group was relaunched "
+                    f"{self.restarts} time(s) (max_restarts={self.max_restarts}): "
+                    f"{e.message or type(e).__name__}",
+                ) from e  # fmt: skip
+            try:
+                self._recover(step, phase, rank, error)
+                return
+            except WorkerError as e:
+                error = e
 
     def _recover(self, step: int, phase: str, rank: int, error: WorkerError) -> None:
         """Relaunch the policy from the last good state, refit, log the recovery."""
-        if self.good is None:
-            raise error  # died before any state was kept: nothing to restore
+        assert self.good is not None
         t = time.perf_counter()
         self.restarts += 1
         run = self.run
