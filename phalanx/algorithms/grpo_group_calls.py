@@ -33,6 +33,20 @@ def _retry_once_after_death(call: Callable[[], Any], timeout: float) -> list[Any
         return call().wait(timeout=timeout)
 
 
+def refit_past_generator_deaths(refit: Callable[[], Any], generation: Any, timeout: float) -> Any:
+    """``refit()``, once more when it failed because a generation worker had died: a call
+    on the group restarts that worker first (its restart hooks give it the sender's last
+    weights). A failure with no generation worker restarted is raised."""
+    before = generation.num_remote_worker_restarts()
+    try:
+        return refit()
+    except Exception:
+        generation.call("is_alive").wait(timeout=timeout)
+        if generation.num_remote_worker_restarts() == before:
+            raise
+        return refit()
+
+
 def generate(gen_group, data, timeout: float = 300.0, greedy: bool = False, retry: bool = True):
     """Split a prompt batch over the generation workers and put the outputs back in order
     (once more after a worker died under it when ``retry``)."""

@@ -122,7 +122,7 @@ class PolicyRecovery:
         parts = run.relaunch_policy(self.good)
         t_refit = time.perf_counter()
         with run.rollouts.paused():
-            run.refitter.refit()
+            run.refit()
         seconds = time.perf_counter() - t
         reason = f"{error.group}[rank {rank}] died in {error.method}()"
         self.metrics.log(step, {

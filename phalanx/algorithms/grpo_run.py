@@ -25,6 +25,7 @@ from phalanx.algorithms.grpo_group_calls import (
     generate,
     on_policy_workers,
     place_group,
+    refit_past_generator_deaths,
     reset_worker_optimizer,
     set_worker_lr,
     thread_shares,
@@ -403,8 +404,15 @@ class GRPORun:
                 on_generating=self.phase.generating if self.phase is not None else None,
             )  # fmt: skip
         else:
-            self.rollouts = SyncRollouts(make_batch, self.refitter.refit, self.memory)
+            self.rollouts = SyncRollouts(make_batch, self.refit, self.memory)
         return self.rollouts
+
+    def refit(self) -> Any:
+        """Refit the generators, once more after a generation worker that had died was
+        restarted."""
+        return refit_past_generator_deaths(
+            self.refitter.refit, self.generation, self.cfg.generation_timeout_s
+        )
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """Greedy accuracy on the held-out split (and the tiny task's answer probability)."""

@@ -136,14 +136,19 @@ def test_a_death_past_max_restarts_ends_the_run_with_exit_4_and_a_resumable_fold
     assert isinstance(error, RestartBudgetSpentError)
     assert error.group == f"grpo_policy_{os.getpid()}"
     assert error.rank == 0
-    assert "rank 0 died after the policy group was relaunched 1 time(s) (max_restarts=1)" in str(
-        error
+    first_line = str(error).splitlines()[0]
+    assert first_line.startswith(f"grpo_policy_{os.getpid()}[rank 0].train() failed with ")
+    assert "rank 0 died after the policy group was relaunched 1 time(s) (max_restarts=1)" in (
+        first_line
     )
     assert error.remote_traceback == error.__cause__.remote_traceback
     status = json.loads((run_dir / "status.json").read_text())
-    assert status["status"] == "failed" and status["exit_code"] == 4
-    assert status["message"].startswith("RestartBudgetSpentError: ")
-    assert "RestartBudgetSpentError" in capsys.readouterr().err
+    assert status == {
+        "status": "failed",
+        "exit_code": 4,
+        "message": f"RestartBudgetSpentError: {first_line}",
+    }
+    assert f"phalanx train grpo: error: {status['message']}\n" in capsys.readouterr().err
     assert _recoveries(run_dir) == [
         {"step": 2, "recovery/group": "policy", "recovery/rank": 1,
          "recovery/repeated": "log-probs and training"},
