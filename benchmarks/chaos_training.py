@@ -27,7 +27,6 @@ import random
 import shlex
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -35,6 +34,7 @@ import time
 from pathlib import Path
 
 import psutil
+from _common import run_with_killer, titled_descendants
 
 ROLES = ("Host_DTensorPolicyWorker", "Host_HFGenerationWorker")
 
@@ -42,20 +42,12 @@ ROLES = ("Host_DTensorPolicyWorker", "Host_HFGenerationWorker")
 def _role_processes(driver: psutil.Process, role: str) -> list[psutil.Process]:
     """The run's started workers of ``role`` (Ray titles an idle worker ``ray::<role>``
     and a busy one ``ray::<role with [class]>.<method>``)."""
-    name = role.removeprefix("Host_")
-    out = []
-    try:
-        children = driver.children(recursive=True)
-    except psutil.Error:
-        return out
-    for proc in children:
-        try:
-            title = " ".join(proc.cmdline())
-        except psutil.Error:
-            continue
-        if (role in title or f"Host[{name}]" in title) and not title.rstrip().endswith("__init__"):
-            out.append(proc)
-    return out
+    busy = f"Host[{role.removeprefix('Host_')}]"
+    return [
+        proc
+        for proc, title in titled_descendants(driver)
+        if (role in title or busy in title) and not title.rstrip().endswith("__init__")
+    ]
 
 
 def _first_step_done(metrics: Path) -> bool:
@@ -98,35 +90,15 @@ def run_once(chaos: bool, args: argparse.Namespace) -> dict:
             "--runs-dir", runs_dir, "--no-progress", *shlex.split(args.extra)]  # fmt: skip
     run_dir = Path(runs_dir) / name
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stop = threading.Event()
     kills: list[tuple[float, str, int]] = []
     killer = None
     if chaos:
-        every = (args.every_min, args.every_max)
-        killer = threading.Thread(
-            target=_killer,
-            args=(
-                psutil.Process(proc.pid),
-                run_dir / "metrics.jsonl",
-                every,
-                args.seed,
-                stop,
-                kills,
-                t0,
-            ),  # fmt: skip
-            daemon=True,
-        )
-        killer.start()
-    try:
-        out, err = proc.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-    finally:
-        stop.set()
-        if killer is not None:
-            killer.join()
+
+        def killer(driver: psutil.Process, stop: threading.Event) -> None:
+            every = (args.every_min, args.every_max)
+            _killer(driver, run_dir / "metrics.jsonl", every, args.seed, stop, kills, t0)
+
+    returncode, out, err = run_with_killer(argv, args.timeout, killer)
     rows = []
     if (run_dir / "metrics.jsonl").exists():
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -134,7 +106,7 @@ def run_once(chaos: bool, args: argparse.Namespace) -> dict:
     evals = [r["eval/accuracy"] for r in steps if "eval/accuracy" in r]
     return {
         "chaos": chaos,
-        "rc": proc.returncode,
+        "rc": returncode,
         "wall_s": time.perf_counter() - t0,
         "kills": kills,
         "recoveries": [
@@ -146,7 +118,7 @@ def run_once(chaos: bool, args: argparse.Namespace) -> dict:
         "steps": len(steps),
         "median_step_s": statistics.median(r["time/step"] for r in steps) if steps else None,
         "final_accuracy": evals[-1] if evals else None,
-        "stderr_tail": "" if proc.returncode == 0 else err[-2000:],
+        "stderr_tail": "" if returncode == 0 else err[-2000:],
         "stdout_tail": out[-500:],
     }
 
