@@ -114,7 +114,7 @@ def run_once(chaos: bool, args: argparse.Namespace) -> dict:
             for r in rows
             if "recovery/seconds" in r
         ],
-        "generation_restarts": steps[-1].get("generation_restarts", 0) if steps else None,
+        "generation_restarts": max((r.get("generation_restarts", 0) for r in steps), default=0),
         "steps": len(steps),
         "median_step_s": statistics.median(r["time/step"] for r in steps) if steps else None,
         "final_accuracy": evals[-1] if evals else None,
