@@ -1,10 +1,11 @@
-"""Timing helpers shared by the benchmark scripts (not a benchmark itself)."""
+"""Timing and process helpers shared by the benchmark scripts (not a benchmark itself)."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 def interleaved(
@@ -28,3 +29,50 @@ def report(title: str, ours: float, baseline: float, goal: str = "") -> None:
     print(
         f"{title}: phalanx {ours * 1e3:.3f} ms, baseline {baseline * 1e3:.3f} ms, ratio {ratio:.3f}x {goal}"
     )
+
+
+def titled_descendants(driver: Any) -> list[tuple[Any, str]]:
+    """The processes below ``driver`` (a ``psutil.Process``) with their command lines, which
+    Ray sets to what a worker runs (``ray::Host[<class>].<method>``, ``ray::Host_<class>``)."""
+    import psutil
+
+    try:
+        children = driver.children(recursive=True)
+    except psutil.Error:
+        return []
+    out = []
+    for proc in children:
+        try:
+            out.append((proc, " ".join(proc.cmdline())))
+        except psutil.Error:
+            continue
+    return out
+
+
+def run_with_killer(
+    argv: list[str], timeout_s: float, killer: Callable[[Any, Any], None] | None
+) -> tuple[int, str, str]:
+    """Run ``argv`` (killed after ``timeout_s``); with ``killer``, ``killer(process, stop)``
+    runs on a thread beside it (``process`` a ``psutil.Process``, ``stop`` a
+    ``threading.Event`` set when the run ended). Returns the exit status, stdout, stderr."""
+    import subprocess
+    import threading
+
+    import psutil
+
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stop = threading.Event()
+    thread = None
+    if killer is not None:
+        thread = threading.Thread(target=killer, args=(psutil.Process(proc.pid), stop), daemon=True)
+        thread.start()
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    finally:
+        stop.set()
+        if thread is not None:
+            thread.join()
+    return proc.returncode, out, err

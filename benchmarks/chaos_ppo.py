@@ -21,7 +21,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -29,6 +28,7 @@ import time
 from pathlib import Path
 
 import psutil
+from _common import run_with_killer, titled_descendants
 
 README_COMMAND = [
     "train",
@@ -46,22 +46,15 @@ def _runner_processes(driver: psutil.Process, group_prefix: str) -> list[psutil.
     """The run's env runner processes: descendants of its driver (whose Ray it started)
     titled as env runners (``ray::<group>:<rank>:Host[EnvRunner].__init__`` while starting,
     ``ray::Host[EnvRunner].<method>`` in a call, ``ray::Host_EnvRunner`` between calls)."""
-    out = []
-    try:
-        children = driver.children(recursive=True)
-    except psutil.Error:
-        return out
-    for proc in children:
-        try:
-            title = " ".join(proc.cmdline())
-        except psutil.Error:
-            continue
-        if "Host_EnvRunner" in title or (
+    return [
+        proc
+        for proc, title in titled_descendants(driver)
+        if "Host_EnvRunner" in title
+        or (
             "Host[EnvRunner]" in title
             and (group_prefix in title or not title.rstrip().endswith("__init__"))
-        ):
-            out.append(proc)
-    return out
+        )
+    ]
 
 
 def _started(proc: psutil.Process) -> bool:
@@ -106,42 +99,23 @@ def run_once(chaos: bool, seed: int, every_s: float, startup_kills: int, timeout
     argv = [sys.executable, "-m", "phalanx.cli", *README_COMMAND, "--seed", str(seed),
             "--name", name, "--runs-dir", runs_dir, "--no-progress"]  # fmt: skip
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stop = threading.Event()
     kills: list[tuple[float, int, str]] = []
     killer = None
     if chaos:
-        # the group is named ppo_<name>_<driver pid> (phalanx.algorithms.ppo.train)
-        killer = threading.Thread(
-            target=_killer,
-            args=(
-                psutil.Process(proc.pid),
-                f"ppo_{name}_{proc.pid}",
-                every_s,
-                startup_kills,
-                stop,
-                kills,
-                t0,
-            ),  # fmt: skip
-            daemon=True,
-        )
-        killer.start()
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-    finally:
-        stop.set()
-        if killer is not None:
-            killer.join()
+
+        def killer(driver: psutil.Process, stop: threading.Event) -> None:
+            # the group is named ppo_<name>_<driver pid> (phalanx.algorithms.ppo.train)
+            group = f"ppo_{name}_{driver.pid}"
+            _killer(driver, group, every_s, startup_kills, stop, kills, t0)
+
+    returncode, out, err = run_with_killer(argv, timeout_s, killer)
     wall = time.perf_counter() - t0
     load = os.getloadavg()[0]
     summary = _summary(out)
     return {
         "chaos": chaos,
         "seed": seed,
-        "rc": proc.returncode,
+        "rc": returncode,
         "wall_s": wall,
         "reached": bool(summary.get("reached_stop_return")),
         "time_to_450_s": summary.get("time_to_stop_return_s"),
@@ -149,7 +123,7 @@ def run_once(chaos: bool, seed: int, every_s: float, startup_kills: int, timeout
         "restarts": summary.get("restarts"),
         "kills": kills,
         "load_at_end": load,
-        "stderr_tail": "" if proc.returncode == 0 else err[-2000:],
+        "stderr_tail": "" if returncode == 0 else err[-2000:],
         "run_dir": str(Path(runs_dir) / name),
     }
 

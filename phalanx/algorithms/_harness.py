@@ -46,8 +46,9 @@ EXIT_CODES: dict[int, str] = {
     USAGE: "usage error: an unknown flag or a flag value of the wrong type",
     BUDGET_SPENT: "the budget was spent before the stop criterion (--stop-return) was met",
     RUNTIME_FAILURE: (
-        "runtime failure: Ray could not start, a worker group failed, or the run folder "
-        "could not be written (a full disk: the error names the file and ENOSPC)"
+        "runtime failure: Ray could not start, a worker group failed (GRPO: a policy rank "
+        "died once more after --max-restarts relaunches), or the run folder could not be "
+        "written (a full disk: the error names the file and ENOSPC)"
     ),
     SIGINT_EXIT: "interrupted by SIGINT (Ctrl-C)",
     SIGTERM_EXIT: "terminated by SIGTERM",

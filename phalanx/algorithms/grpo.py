@@ -37,6 +37,7 @@ from phalanx.algorithms import _harness as harness
 from phalanx.algorithms.grpo_config import TINY, GRPOConfig, expand_async_grpo, resolve_run_dir
 from phalanx.algorithms.grpo_group_calls import evaluate_accuracy
 from phalanx.algorithms.grpo_loss import OnPolicyPGLossFn, behaviour_logprobs
+from phalanx.algorithms.grpo_recovery import PolicyRecovery
 from phalanx.algorithms.grpo_rollout import (
     group_normalized_advantages,
     rollout_metrics,
@@ -74,6 +75,7 @@ def train(
     bar = progress_bar(cfg)
     metrics = MetricsLogger(cfg.run_dir, use_wandb=cfg.wandb)
     run = GRPORun(cfg, plan, task, bar)
+    recovery = PolicyRecovery(run, metrics, cfg.max_restarts)
     failed = False
     try:
         run.launch(cluster, ckpt, metrics)
@@ -89,7 +91,8 @@ def train(
             ClippedPGLossConfig(cfg.clip_eps_low, cfg.clip_eps_high, cfg.kl_beta)
         )
         phases = StepPhases(bar, run.memory)
-        policy = run.policy
+        with bar.waiting("keeping the policy's state"):
+            recovery.snapshot(start_step)
         for step in range(start_step + 1, cfg.steps + 1):
             phases.new_step()
             t0 = time.perf_counter()
@@ -105,23 +108,30 @@ def train(
                 ]
                 data["generation_is_current"] = (traj["version"] == step - 1).float()
 
-            # 6. log-probs: the old policy's only when several updates share a batch; the
-            #    reference's only when the KL penalty is on
-            needs_logprobs = not plan.on_policy or cfg.kl_beta > 0
-            with phases("logprobs", "log-probs", peak=needs_logprobs):
-                if not plan.on_policy:
-                    own = policy.get_logprobs(data)["logprobs"]
-                    data["prev_logprobs"] = behaviour_logprobs(own, data)
-                if cfg.kl_beta > 0:
-                    ref = policy.get_reference_policy_logprobs(data)
-                    data["reference_policy_logprobs"] = ref["reference_logprobs"]
+            def learn(step: int = step, data: Any = data) -> dict[str, Any]:
+                policy = run.policy  # a new group after a rank died (recovery)
+                # 6. log-probs: the old policy's only when several updates share a batch;
+                #    the reference's only when the KL penalty is on
+                needs_logprobs = not plan.on_policy or cfg.kl_beta > 0
+                with phases("logprobs", "log-probs", peak=needs_logprobs):
+                    if not plan.on_policy:
+                        own = policy.get_logprobs(data)["logprobs"]
+                        data["prev_logprobs"] = behaviour_logprobs(own, data)
+                    if cfg.kl_beta > 0:
+                        ref = policy.get_reference_policy_logprobs(data)
+                        data["reference_policy_logprobs"] = ref["reference_logprobs"]
 
-            # 7. policy-gradient step(s)
-            with phases("training", peak=True):
-                out = policy.train(data, loss_fn)
+                # 7. policy-gradient step(s), and the state they leave kept (recovery)
+                with phases("training", peak=True):
+                    out = policy.train(data, loss_fn)
+                with phases("keep_state", "keeping the policy's state"):
+                    recovery.snapshot(step)
+                return out
+
+            out = recovery.call(step, "log-probs and training", learn)
             if on_training is not None:
                 t_hook = time.perf_counter()
-                on_training(step, policy)
+                on_training(step, run.policy)
                 t0 += time.perf_counter() - t_hook
 
             # 8. refit the generators with the new weights (between generation batches);
@@ -135,14 +145,15 @@ def train(
             held_wait = hold.enter_context(rollouts.paused()) if evaluating else 0.0
             with hold:
                 with bar.waiting("refit"):
-                    info.update(rollouts.refit())
+                    info.update(recovery.call(step, "refit", rollouts.refit))
                 if cfg.async_grpo:
                     info["time/refit_wait"] += held_wait
                     info["time/training_wait"] += info["time/refit_wait"]
                 if evaluating:
-                    info.update(run.evaluate(step))
+                    info.update(recovery.call(step, "evaluation", lambda s=step: run.evaluate(s)))
 
-            row = step_metrics(cfg, traj, data, out, {**info, **run.restarts()}, phases)
+            restarts = {**run.restarts(), "policy_restarts": recovery.restarts}
+            row = step_metrics(cfg, traj, data, out, {**info, **restarts}, phases)
             row["elapsed_s"] = time.perf_counter() - t_start
             row["time/step"] = time.perf_counter() - t0  # the evaluation included
             metrics.log(step, row)
@@ -154,7 +165,9 @@ def train(
             # 9. checkpoint
             if step % cfg.checkpoint_every == 0 or last:
                 with bar.waiting("checkpoint"):
-                    save_checkpoint(cfg, policy, task, step)
+                    recovery.call(
+                        step, "checkpoint", lambda s=step: save_checkpoint(cfg, run.policy, task, s)
+                    )
             if out_of_time:
                 bar.log(f"[grpo] time limit {cfg.time_limit_s:.0f} s reached after step {step}")
                 break
@@ -165,6 +178,7 @@ def train(
         bar.close()
         metrics.close()
         run.close(failed)
+        recovery.close()
     return run.result(t_start)
 
 

@@ -131,6 +131,9 @@ class GRPOConfig:
     """longest wait for one policy call (train, log-probs, checkpoint)"""
     generation_timeout_s: float = 1800.0
     """longest wait for one generation call"""
+    max_restarts: int = 3
+    """times the policy group may be relaunched in place after one of its ranks died (the
+    step in flight is redone); past it the run stops with the last death's error"""
     # --- asynchronous GRPO (NeMo-RL's grpo.async_grpo keys; a config file may nest them
     #     under async_grpo: {enabled: ..., max_trajectory_age_steps: ...})
     async_grpo: Annotated[bool, harness.alias("--async")] = False
@@ -238,7 +241,7 @@ class GRPOConfig:
                      "train_micro_batch_size", "logprob_micro_batch_size", "num_policy_workers",
                      "num_generation_workers", "warmup_batch_size", "checkpoint_every"):  # fmt: skip
             check_int(getattr(self, name), name, minimum=1)
-        for name in ("eval_every", "eval_size", "warmup_steps", "seed"):
+        for name in ("eval_every", "eval_size", "warmup_steps", "max_restarts", "seed"):
             check_int(getattr(self, name), name, minimum=0 if name != "seed" else None)
         for name in ("num_threads", "max_total_sequence_length", "logprob_chunk_size",
                      "train_global_batch_size"):  # fmt: skip

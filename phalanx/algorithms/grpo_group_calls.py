@@ -33,6 +33,20 @@ def _retry_once_after_death(call: Callable[[], Any], timeout: float) -> list[Any
         return call().wait(timeout=timeout)
 
 
+def refit_past_generator_deaths(refit: Callable[[], Any], generation: Any, timeout: float) -> Any:
+    """``refit()``, once more when it failed because a generation worker had died: a call
+    on the group restarts that worker first (its restart hooks give it the sender's last
+    weights). A failure with no generation worker restarted is raised."""
+    before = generation.num_remote_worker_restarts()
+    try:
+        return refit()
+    except Exception:
+        generation.call("is_alive").wait(timeout=timeout)
+        if generation.num_remote_worker_restarts() == before:
+            raise
+        return refit()
+
+
 def generate(gen_group, data, timeout: float = 300.0, greedy: bool = False, retry: bool = True):
     """Split a prompt batch over the generation workers and put the outputs back in order
     (once more after a worker died under it when ``retry``)."""
@@ -89,26 +103,34 @@ def _peak_rss_gb(worker: Any = None) -> float:
 
 class PhaseMemory:
     """Peak resident memory of every worker of ``groups`` during each phase (GB, max over
-    ranks): the kernel's per-process high-water mark, reset when a phase starts."""
+    ranks): the kernel's per-process high-water mark, reset when a phase starts.
+
+    A group with a rank that stays dead is left out (0.0 when no group is left): the
+    measurement never ends a run, the group's next call of the run meets the death."""
 
     def __init__(self, groups: dict[str, Any]):
         self.groups = groups
 
     def _all(self, fn) -> list[float]:
+        from phalanx._base.errors import WorkerDiedError
+
         out = []
         for g in self.groups.values():
             calls = [(r, (), {}) for r in range(g.world_size)]
             label = fn.__name__.strip("_")
-            out.extend(
-                _retry_once_after_death(functools.partial(g.apply, fn, calls, label=label), 60)
-            )
+            try:
+                out.extend(
+                    _retry_once_after_death(functools.partial(g.apply, fn, calls, label=label), 60)
+                )
+            except WorkerDiedError:
+                continue
         return out
 
     def reset(self) -> None:
         self._all(_reset_peak_rss)
 
     def peak(self) -> float:
-        return max(self._all(_peak_rss_gb))
+        return max(self._all(_peak_rss_gb), default=0.0)
 
 
 def set_threads(worker: Any, n: int) -> int:

@@ -25,6 +25,7 @@ from phalanx.algorithms.grpo_group_calls import (
     generate,
     on_policy_workers,
     place_group,
+    refit_past_generator_deaths,
     reset_worker_optimizer,
     set_worker_lr,
     thread_shares,
@@ -251,6 +252,7 @@ class GRPORun:
         self.evals: list[tuple[int, float]] = []
         self.p_correct: list[tuple[int, float]] = []
         self.warmed_up = False  # the warm-up ran before the policy (LoRA)
+        self.cluster: Any = None
 
     def launch(self, cluster: Any, ckpt: str | None, metrics: Any) -> None:
         """The policy (from checkpoint ``ckpt`` when resuming) and generation groups, placed
@@ -265,7 +267,7 @@ class GRPORun:
         from phalanx.llm.refit import Refitter
 
         cfg, plan = self.cfg, self.plan
-        cluster = cluster if cluster is not None else px.Cluster()
+        cluster = self.cluster = cluster if cluster is not None else px.Cluster()
         if plan.warm and cfg.lora_rank and ckpt is None:
             whole = {k: v for k, v in plan.policy_cfg.items() if k != "dtensor_cfg"}
             full = self._start_policy(cluster, whole, None, init_reference_model=False)
@@ -286,19 +288,46 @@ class GRPORun:
                 # A dead generation worker is restarted, and refitted before it is called.
                 restart_policy=px.RestartPolicy(),
             )
-        pg = self.policy.worker_group
-        place_group(pg, plan.policy_threads, plan.policy_cpus)
         place_group(self.generation, None, plan.gen_cpus)  # its threads are in gen_cfg
         if cfg.async_grpo and cfg.placement != "disaggregated" and not cfg.num_threads:
             # every core for the policy while no generation batch runs (phase_threads)
             idle = max(1, len(os.sched_getaffinity(0)) // cfg.num_policy_workers)
             self.phase = PhaseThreads(busy=plan.policy_threads, idle=idle)
-            calls = [(r, (self.phase.path,), {}) for r in range(pg.world_size)]
-            pg.apply(follow_phase_threads, calls, label="follow_threads").wait(timeout=60)
+        self._place_policy()
         # Overlapping phases: the generators' memory is not a phase's (not measured).
+        pg = self.policy.worker_group
         groups = {"policy": pg} if cfg.async_grpo else {"policy": pg, "generation": self.generation}
         self.memory = PhaseMemory(groups)
         self.refitter = Refitter(self.policy, self.generation, cfg.refit_transport)
+
+    def _place_policy(self) -> None:
+        """The policy workers' threads and cores, and the phase's thread count to follow."""
+        pg = self.policy.worker_group
+        place_group(pg, self.plan.policy_threads, self.plan.policy_cpus)
+        if self.phase is not None:
+            calls = [(r, (self.phase.path,), {}) for r in range(pg.world_size)]
+            pg.apply(follow_phase_threads, calls, label="follow_threads").wait(timeout=60)
+
+    def relaunch_policy(self, state_dir: str) -> dict[str, float]:
+        """Replace the policy group (one of its ranks died) by a new one whose state is read
+        from ``state_dir`` (a checkpoint's ``weights`` and ``optim``), placed as the old one
+        and refitted from from now on; the seconds its shutdown and its start (the state's
+        load included) took. The reference is built as a resumed run builds it."""
+        cfg, plan = self.cfg, self.plan
+        t = time.perf_counter()
+        # No clean-up call: the live ranks are stuck in a collective with the dead one.
+        self.policy.worker_group.shutdown(timeout=5.0, force=True)
+        t_down = time.perf_counter()
+        policy_cfg = (
+            {**plan.policy_cfg, "model_name": plan.sft_dir} if plan.warm else plan.policy_cfg
+        )
+        self.policy = self._start_policy(
+            self.cluster, policy_cfg, state_dir, init_reference_model=cfg.kl_beta > 0 or plan.warm
+        )
+        self._place_policy()
+        self.memory.groups["policy"] = self.policy.worker_group
+        self.refitter.replace_policy(self.policy)
+        return {"shutdown": t_down - t, "start": time.perf_counter() - t_down}
 
     def _start_policy(
         self, cluster: Any, policy_cfg: dict[str, Any], ckpt: str | None, **kwargs: Any
@@ -375,8 +404,15 @@ class GRPORun:
                 on_generating=self.phase.generating if self.phase is not None else None,
             )  # fmt: skip
         else:
-            self.rollouts = SyncRollouts(make_batch, self.refitter.refit, self.memory)
+            self.rollouts = SyncRollouts(make_batch, self.refit, self.memory)
         return self.rollouts
+
+    def refit(self) -> Any:
+        """Refit the generators, once more after a generation worker that had died was
+        restarted."""
+        return refit_past_generator_deaths(
+            self.refitter.refit, self.generation, self.cfg.generation_timeout_s
+        )
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """Greedy accuracy on the held-out split (and the tiny task's answer probability)."""

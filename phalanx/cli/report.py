@@ -122,6 +122,13 @@ def summarize(run_dir: str | os.PathLike[str], trace_path: str | None = None) ->
     for key in ("timesteps", "episodes", "restarts", "weights_version"):
         if _last(rows, key) is not None:
             out[key] = _last(rows, key)
+    recoveries = [r for r in rows if "recovery/step" in r]
+    if recoveries:
+        out["recoveries"] = ", ".join(
+            f"step {r['recovery/step']} ({r.get('recovery/group', '?')}, "
+            f"{r.get('recovery/seconds', 0.0):.1f} s)"
+            for r in recoveries
+        )
     for key in (*CURVE_KEYS, EVAL_KEY):
         _, ys = series(rows, key)
         if ys:

@@ -114,6 +114,13 @@ class Refitter:
         if self._remove_hook is not None:
             self._remove_hook()
 
+    def replace_policy(self, policy: Policy) -> None:
+        """Refit from ``policy`` from now on (a policy group relaunched after a death):
+        the sender and its versions stay, what was asked of the old group is asked again."""
+        self.policy = policy
+        self._ring_layout = False
+        self._info = None
+
     # ------------------------------------------------------------------ collective
     def _collective_members(self) -> dict[tuple[str, int], Any]:
         """The actors a collective refit group spans: policy rank 0 and every generator."""

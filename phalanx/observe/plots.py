@@ -77,12 +77,24 @@ def plot_learning_curve(rows: list[dict[str, Any]], path: str | Path, title: str
         ax2.set_ylim(-0.05, 1.05)
         ax2.set_ylabel("held-out accuracy")
         ax.set_xlabel("step")
+    lines += _mark_recoveries(ax, rows)
     ax.set_title(title or "Learning curve")
     ax.grid(alpha=0.3)
     ax.legend(handles=lines, loc="upper left", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
+
+
+def _mark_recoveries(ax: Any, rows: list[dict[str, Any]]) -> list[Any]:
+    """A dashed line at each step a run recovered in place (``recovery/step`` rows), on
+    a step axis; the legend handle, or none."""
+    steps = [r["recovery/step"] for r in rows if "recovery/step" in r]
+    if not steps or ax.get_xlabel() != "step":
+        return []
+    marks = [ax.axvline(s, color="tab:gray", ls="--", lw=1) for s in steps]
+    marks[0].set_label(f"recovery ({len(steps)}: a group relaunched, its step redone)")
+    return marks[:1]
 
 
 def plot_phase_times(rows: list[dict[str, Any]], path: str | Path) -> bool:

@@ -1,0 +1,229 @@
+"""A GRPO run survives the death of a policy rank in place: the policy group is
+relaunched from the state kept after the last step, the generators are refitted and the
+interrupted part of the step is done again, so the run ends with the weights of a run
+nobody disturbed. Past ``max_restarts`` the run ends with the death's error (exit 4)
+and a folder that resumes.
+
+A rank dies by its own hand at a named point (``os._exit`` installed on that rank by the
+step hook ``train(on_training=...)``), never after a sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from phalanx.algorithms import _harness as harness
+from phalanx.algorithms.grpo import GRPOConfig, train
+from phalanx.algorithms.grpo_recovery import RestartBudgetSpentError
+from phalanx.algorithms.grpo_run import latest_checkpoint
+from phalanx.observe.metrics import read_metrics
+
+
+def _die_in_next_train(worker: Any) -> None:
+    """(On a policy rank) end this process at the next training micro-batch."""
+    worker.add_microbatch_hook(lambda: os._exit(1))
+
+
+def _die_in_next_refit(worker: Any) -> None:
+    """(On a policy rank) end this process when the next refit asks it for its weights."""
+    worker.write_weights_to_shm = lambda *args, **kwargs: os._exit(1)
+
+
+def _kill_plan(plan: dict[int, tuple[Any, int]]) -> Any:
+    """A step hook: after step ``s``'s training, ``plan[s] = (fn, rank)`` runs ``fn`` on
+    that rank of the policy group."""
+
+    def on_training(step: int, policy: Any) -> None:
+        if step in plan:
+            fn, rank = plan[step]
+            policy.worker_group.apply(fn, [(rank, (), {})], label=fn.__name__).wait(timeout=60)
+
+    return on_training
+
+
+def _cfg(run_dir: Path, **overrides: Any) -> GRPOConfig:
+    base = dict(
+        run_dir=str(run_dir),
+        steps=3,
+        prompts_per_step=2,
+        samples_per_prompt=2,
+        train_micro_batch_size=2,
+        num_policy_workers=2,  # FSDP over two ranks: a relaunch rebuilds its process group
+        warmup_steps=0,
+        warmup_batch_size=2,
+        eval_every=0,
+        checkpoint_every=1,
+        progress=False,
+    )
+    return GRPOConfig.tiny(**{**base, **overrides})
+
+
+def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """The policy weights of checkpoint ``step_<step>`` (DCP folder -> one torch file)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = run_dir / f"weights_{step}.pt"
+    dcp_to_torch_save(str(run_dir / "checkpoints" / f"step_{step}" / "weights"), str(out))
+    return torch.load(out, weights_only=True)["model"]
+
+
+def _recoveries(run_dir: Path) -> list[dict[str, Any]]:
+    return [
+        {k: r[k] for k in ("step", "recovery/group", "recovery/rank", "recovery/repeated")}
+        for r in read_metrics(run_dir)
+        if "recovery/seconds" in r
+    ]
+
+
+@pytest.mark.slow(reason="two three-step GRPO runs with two policy relaunches")
+@pytest.mark.timeout(600)
+def test_policy_rank_killed_in_training_and_in_refit_ends_with_undisturbed_weights(
+    cluster, tmp_path
+):
+    calm = train(_cfg(tmp_path / "calm"), cluster)
+    plan = {1: (_die_in_next_train, 1), 3: (_die_in_next_refit, 0)}
+    hit = train(_cfg(tmp_path / "hit"), cluster, on_training=_kill_plan(plan))
+
+    assert _recoveries(tmp_path / "hit") == [
+        {"step": 2, "recovery/group": "policy", "recovery/rank": 1,
+         "recovery/repeated": "log-probs and training"},
+        {"step": 3, "recovery/group": "policy", "recovery/rank": 0,
+         "recovery/repeated": "refit"},
+    ]  # fmt: skip
+    assert [h["step"] for h in hit["history"]] == [1, 2, 3]
+    assert [h["policy_restarts"] for h in hit["history"]] == [0, 1, 2]
+    assert [h["policy_restarts"] for h in calm["history"]] == [0, 0, 0]
+    for key in ("reward_mean", "loss", "train/tokens"):
+        assert [h[key] for h in hit["history"]] == [h[key] for h in calm["history"]], key
+    for step in (2, 3):  # the redone training step, and the state a refit death restored
+        want, got = _weights(tmp_path / "calm", step), _weights(tmp_path / "hit", step)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], msg=name)
+    assert not any(
+        p.startswith(f"phalanx-recovery-{os.getpid()}-") for p in os.listdir("/dev/shm")
+    ), "the kept state outlived the run"
+
+
+@pytest.mark.slow(reason="a GRPO run with one policy relaunch, then its resume")
+@pytest.mark.timeout(600)
+def test_a_death_past_max_restarts_ends_the_run_with_exit_4_and_a_resumable_folder(
+    cluster, tmp_path, capsys
+):
+    run_dir = tmp_path / "run"
+    cfg = _cfg(run_dir, max_restarts=1)
+    on_training = _kill_plan({1: (_die_in_next_train, 1), 2: (_die_in_next_train, 0)})
+    errors: list[BaseException] = []
+
+    def body() -> int:
+        try:
+            train(cfg, cluster, on_training=on_training)
+        except BaseException as e:
+            errors.append(e)
+            raise
+        return harness.DONE
+
+    code = harness.run_command("phalanx train grpo", GRPOConfig, run_dir, body)
+
+    assert code == harness.RUNTIME_FAILURE == 4
+    (error,) = errors
+    assert isinstance(error, RestartBudgetSpentError)
+    assert error.group == f"grpo_policy_{os.getpid()}"
+    assert error.rank == 0
+    first_line = str(error).splitlines()[0]
+    assert first_line.startswith(f"grpo_policy_{os.getpid()}[rank 0].train() failed with ")
+    assert "rank 0 died after the policy group was relaunched 1 time(s) (max_restarts=1)" in (
+        first_line
+    )
+    assert error.remote_traceback == error.__cause__.remote_traceback
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status == {
+        "status": "failed",
+        "exit_code": 4,
+        "message": f"RestartBudgetSpentError: {first_line}",
+    }
+    assert f"phalanx train grpo: error: {status['message']}\n" in capsys.readouterr().err
+    assert _recoveries(run_dir) == [
+        {"step": 2, "recovery/group": "policy", "recovery/rank": 1,
+         "recovery/repeated": "log-probs and training"},
+    ]  # fmt: skip
+    assert latest_checkpoint(str(run_dir)) == str(run_dir / "checkpoints" / "step_2")
+
+    resumed = train(_cfg(run_dir, resume=True), cluster)
+    assert [h["step"] for h in resumed["history"]] == [3]
+    steps = [r["step"] for r in read_metrics(run_dir) if "reward_mean" in r]
+    assert steps == [1, 2, 3]
+
+
+@pytest.mark.timeout(60)
+def test_report_lists_the_recoveries_and_marks_them_on_the_curve(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from phalanx.cli.report import summarize, write_report
+    from phalanx.observe.metrics import MetricsLogger
+    from phalanx.observe.plots import _figure, _mark_recoveries
+
+    with MetricsLogger(tmp_path, use_tensorboard=False) as log:
+        for step in (1, 2, 3):
+            if step == 2:
+                log.log(2, {"recovery/seconds": 4.5, "recovery/group": "policy",
+                            "recovery/step": 2, "recovery/repeated": "refit"})  # fmt: skip
+            log.log(step, {"reward_mean": 0.1 * step, "time/training": 0.5})
+    rows = read_metrics(tmp_path)
+
+    assert summarize(tmp_path)["recoveries"] == "step 2 (policy, 4.5 s)"
+    ax = _figure(4, 3).add_subplot()
+    ax.plot([1, 2, 3], [0.1, 0.2, 0.3])
+    ax.set_xlabel("step")
+    (handle,) = _mark_recoveries(ax, rows)
+    assert handle.get_label() == "recovery (1: a group relaunched, its step redone)"
+    assert list(handle.get_xdata()) == [2, 2]
+    assert write_report(tmp_path, console=None)["learning_curve"] == str(
+        tmp_path / "learning_curve.png"
+    )
+
+
+@pytest.mark.timeout(60)
+def test_a_negative_max_restarts_is_refused_naming_the_flag(tmp_path, capsys):
+    from phalanx.algorithms.grpo import cli
+
+    run_dir = tmp_path / "run"
+    argv = ["--model", "tiny", "--run-dir", str(run_dir), "--max-restarts", "-1"]
+    assert cli(argv) == harness.BAD_INPUT
+    assert capsys.readouterr().err == (
+        "phalanx train grpo: error: max_restarts must be >= 0, got -1 (flag --max-restarts)\n"
+    )
+    assert not run_dir.exists()
+
+
+@pytest.mark.timeout(120)
+def test_phase_memory_leaves_out_a_group_whose_rank_died(cluster):
+    """A policy rank that dies while another phase runs (generation) does not end the run
+    there: the memory measurement skips its group, the policy's next call recovers it."""
+    import ray
+
+    import phalanx as px
+    from phalanx.algorithms.grpo_group_calls import PhaseMemory, _peak_rss_gb
+    from tests.workers import Recorder
+
+    lost = Recorder.create_group().launch(cluster, px.NodePlacement(num_workers=2), name="lost")
+    kept = Recorder.create_group().launch(cluster, px.NodePlacement(num_workers=1), name="kept")
+    try:
+        memory = PhaseMemory({"policy": lost, "generation": kept})
+        memory.reset()
+        ray.kill(lost.actors[1], no_restart=True)
+        memory.reset()
+        assert len(memory._all(_peak_rss_gb)) == 1  # the one rank of "kept"
+        assert memory.peak() > 0.0
+        assert lost.health()[1] == px.WorkerHealth.DEAD
+        assert PhaseMemory({"policy": lost}).peak() == 0.0
+    finally:
+        lost.shutdown(timeout=10)
+        kept.shutdown(timeout=10)
