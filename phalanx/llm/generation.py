@@ -33,8 +33,11 @@ class GenerationInterface(ABC):
     """What a generation backend offers the training loop (NeMo-RL's ``GenerationInterface``)."""
 
     @abstractmethod
-    def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
-        """Sample (or greedily decode) one response per row of ``data``."""
+    def generate(
+        self, data: BatchedDataDict, greedy: bool = False, weights_version: int | None = None
+    ) -> BatchedDataDict:
+        """Sample (or greedily decode) one response per row of ``data``, on weights version
+        ``weights_version`` when given (another version held is an error naming the rank)."""
 
     @abstractmethod
     def prepare_for_generation(self, *args: Any, **kwargs: Any) -> bool:
@@ -195,6 +198,15 @@ class GenerationRefitMixin:
         flat = receive_stream(group, layout, info["bucket_bytes"], self.device)
         return self._apply(layout, views(flat, layout))
 
+    def check_weights_version(self, expected: int | None) -> None:
+        """Raise, naming this rank, when it holds another weights version than ``expected``
+        (the sender's version the caller refitted to; None: no check)."""
+        if expected is not None and expected != self.weights_version:
+            raise RuntimeError(
+                f"generation rank {self.rank} holds weights version {self.weights_version}, "
+                f"the batch asks for version {expected}: the refit did not reach it"
+            )
+
     def get_state_dict(self) -> dict[str, torch.Tensor]:
         """The received weights on CPU (tests compare them with the policy's)."""
         from phalanx.weights.targets import module_of, target_tensors
@@ -255,8 +267,11 @@ class HFGenerationWorker(GenerationRefitMixin, Worker, GenerationInterface):
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
-    def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
-        """Sample (or greedily decode) one response per row.
+    def generate(
+        self, data: BatchedDataDict, greedy: bool = False, weights_version: int | None = None
+    ) -> BatchedDataDict:
+        """Sample (or greedily decode) one response per row (``weights_version``: see
+        ``check_weights_version``).
 
         A hand-written decoding loop over the model's KV cache rather than HF
         ``generate``: identical prompts (a GRPO group's samples) are prefilled once and
@@ -265,6 +280,7 @@ class HFGenerationWorker(GenerationRefitMixin, Worker, GenerationInterface):
         """
         max_new = int(self.cfg.get("max_new_tokens", 16))
         ids, lengths = check_prompts(data, max_new, self.max_positions)
+        self.check_weights_version(weights_version)
         new, new_lp, gen_lengths = self._decode(ids, lengths, max_new, greedy)
         return assemble_output(ids, lengths, new, new_lp, gen_lengths, self.tokenizer.pad_token_id)
 

@@ -71,8 +71,9 @@ class VllmGenerationWorker(GenerationRefitMixin, Worker, GenerationInterface):
         if self.device.type == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
             # vLLM drops torch to one thread unless OMP_NUM_THREADS is set.
-            threads = self.cfg.get("num_threads") or os.cpu_count() or 1
-            os.environ["OMP_NUM_THREADS"] = str(threads)
+            if self.cfg.get("num_threads"):
+                os.environ["OMP_NUM_THREADS"] = str(self.cfg["num_threads"])
+            os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
         vllm = require_vllm()
         self._sleeps = self.device.type == "cuda" and self.cfg.get("colocated", {}).get(
             "enabled", True
@@ -141,11 +142,7 @@ class VllmGenerationWorker(GenerationRefitMixin, Worker, GenerationInterface):
         """
         max_new = int(self.cfg.get("max_new_tokens", 16))
         ids, lengths = check_prompts(data, max_new, self.max_positions)
-        if weights_version is not None and weights_version != self.weights_version:
-            raise RuntimeError(
-                f"generation rank {self.rank} holds weights version {self.weights_version}, "
-                f"the batch asks for version {weights_version}: the refit did not reach it"
-            )
+        self.check_weights_version(weights_version)
         self._load_engine()
         outputs = self.llm.generate(
             [{"prompt_token_ids": ids[i, : int(lengths[i])].tolist()} for i in range(len(ids))],

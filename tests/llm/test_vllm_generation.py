@@ -136,13 +136,47 @@ def test_refit_changes_outputs_as_loading_the_same_weights(engine, vllm_model_pa
     assert engine.engine_loads == loads + 1  # generating does not reload an unchanged version
 
 
-def test_a_batch_for_another_weights_version_names_the_rank(engine, tokenizer):
+def test_ipc_handles_load_through_the_same_path(engine, vllm_model_path, tokenizer):
+    """A shared-memory handle as ``DTensorPolicyWorker.get_weights_ipc_handles`` packs it
+    on CPU: copied into the staged weights, then loaded into the engine."""
+    from phalanx.weights import gather, pack_to_shm, to_named_tensors
+
+    gen = torch.Generator().manual_seed(1)
+    state = {
+        k: v + 0.5 * torch.randn(v.shape, generator=gen) for k, v in engine.get_state_dict().items()
+    }
+    layout, sources = gather(to_named_tensors(state))
+    segment = pack_to_shm(layout, sources, None)
+    try:
+        handles = {engine._device_id(): {"kind": "shm", "layout": layout, "name": segment.name}}
+        loads = engine.engine_loads
+        assert engine.update_weights_from_ipc_handles(handles)
+        assert engine.engine_loads == loads + 1
+    finally:
+        segment.unlink()
+    data = _prompts(tokenizer, n=8, seed=6)
+    ref = _hf_greedy(vllm_model_path, tokenizer, data, state)
+    assert torch.equal(engine.generate(data, greedy=True)["output_ids"], ref["output_ids"])
+    with pytest.raises(ValueError, match="no handle for this worker's device"):
+        engine.update_weights_from_ipc_handles({"cuda:nope": handles[engine._device_id()]})
+
+
+@pytest.mark.parametrize("backend", ["vllm", "hf"])
+def test_a_batch_for_another_weights_version_names_the_rank(
+    request, vllm_model_path, tokenizer, backend
+):
+    if backend == "vllm":
+        worker = request.getfixturevalue("engine")
+    else:
+        worker = HFGenerationWorker({"model_name": vllm_model_path}, tokenizer)
+    data = _prompts(tokenizer)
     with pytest.raises(
         RuntimeError,
-        match="generation rank 0 holds weights version 0, the batch "
-        "asks for version 3: the refit did not reach it",
+        match="generation rank 0 holds weights version 0, the batch asks for version 3: the "
+        "refit did not reach it",
     ):
-        engine.generate(_prompts(tokenizer), weights_version=3)
+        worker.generate(data, weights_version=3)
+    assert worker.generate(data, greedy=True, weights_version=0)["output_ids"].shape[0] == 6
 
 
 @pytest.mark.parametrize(
