@@ -1,7 +1,8 @@
 """A vLLM generation worker refitted from a trained policy on Ray: through the policy's
 shared-memory ring (the staged weights view the sender's buffer), checked against the
-policy's own log-probs and against phalanx's loop on the same weights; and a killed
-worker is restarted and refitted before it serves.
+policy's own log-probs and against phalanx's loop on the same weights; a refit sent while
+a batch runs never mixes two versions into it; and a killed worker is restarted and
+refitted before it serves.
 
 Skipped where vLLM is not installed.
 """
@@ -81,6 +82,21 @@ def test_refit_from_policy_and_restart(cluster, vllm_model_path, tokenizer):
         end = sampled["unpadded_sequence_lengths"][:, None]
         mask = (pos >= end - sampled["generation_lengths"][:, None]) & (pos < end)
         torch.testing.assert_close(sampled["logprobs"][mask], own[mask], atol=LOGPROB_ATOL, rtol=0)
+
+        # A refit sent while a batch runs waits for it: the batch is all one version.
+        policy.train(sft_batch(tokenizer, AdditionTask(8).sample_prompts(8)), NLLLoss())
+        hf.update_weights(policy.state_dict())
+        expected2 = hf.generate(data, greedy=True)
+        assert not torch.equal(expected2["output_ids"], expected["output_ids"])
+        running = gen.execute_on(0).generate(data, greedy=True)
+        result2 = refitter.refit()
+        first = running.wait(120)[0]["output_ids"]
+        assert torch.equal(first, expected["output_ids"]) or torch.equal(
+            first, expected2["output_ids"]
+        )
+        out = gen.execute_on(0).generate(data, greedy=True, weights_version=result2.version)
+        assert torch.equal(out.wait(120)[0]["output_ids"], expected2["output_ids"])
+        result, expected = result2, expected2
 
         # A killed worker is restarted, and the sender refits it before it serves.
         ray.kill(gen.actors[0], no_restart=True)
