@@ -193,5 +193,12 @@ class VllmGenerationWorker(GenerationRefitMixin, Worker, GenerationInterface):
             self.llm.sleep(level=1)
         return True
 
+    def shutdown(self) -> bool:
+        """Stop the engine and free its memory (the KV cache, the model)."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        return True
+
     def is_alive(self) -> bool:
         return True

