@@ -37,6 +37,15 @@ def _prompts(tokenizer, n=6, seed=0):
     return px.BatchedDataDict(input_ids=ids, input_lengths=lengths)
 
 
+def _noise(policy, seed):
+    calls = [(0, (0.05, seed), {})]
+    policy.worker_group.apply(_add_noise, calls, label="noise").wait(timeout=60)
+
+
+def _add_noise(worker, std, seed):
+    worker._add_noise_to_weights(std, seed)
+
+
 @pytest.mark.slow(reason="a policy and a vLLM engine start on Ray, the engine twice")
 def test_refit_from_policy_and_restart(cluster, vllm_model_path, tokenizer):
     policy_cfg = {
@@ -59,7 +68,9 @@ def test_refit_from_policy_and_restart(cluster, vllm_model_path, tokenizer):
     )
     refitter = Refitter(policy, gen, "ipc")
     try:
+        # A training step, then noise: greedy answers of several tokens that differ by version.
         policy.train(sft_batch(tokenizer, AdditionTask(7).sample_prompts(8)), NLLLoss())
+        _noise(policy, 1)
         result = refitter.refit()
         assert result.routes == {0: "shm_view"} and result.applied == [0]
         data = _prompts(tokenizer, n=8, seed=4)
@@ -68,6 +79,7 @@ def test_refit_from_policy_and_restart(cluster, vllm_model_path, tokenizer):
         )
         hf.update_weights(policy.state_dict())
         expected = hf.generate(data, greedy=True)
+        assert int(expected["generation_lengths"].min()) > 1
 
         out = gen.execute_on(0).generate(data, greedy=True, weights_version=result.version)
         out = out.wait(120)[0]
@@ -84,7 +96,7 @@ def test_refit_from_policy_and_restart(cluster, vllm_model_path, tokenizer):
         torch.testing.assert_close(sampled["logprobs"][mask], own[mask], atol=LOGPROB_ATOL, rtol=0)
 
         # A refit sent while a batch runs waits for it: the batch is all one version.
-        policy.train(sft_batch(tokenizer, AdditionTask(8).sample_prompts(8)), NLLLoss())
+        _noise(policy, 2)
         hf.update_weights(policy.state_dict())
         expected2 = hf.generate(data, greedy=True)
         assert not torch.equal(expected2["output_ids"], expected["output_ids"])
