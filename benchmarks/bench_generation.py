@@ -1,11 +1,12 @@
 """Generation backends at the GRPO batch: phalanx's decoding loop against vLLM, in one run.
 
-Both workers run in this process, one after the other, on the same prompts (``--prompts``
-problems x ``--samples`` samples, ``--new`` tokens, sampled at temperature 1 with no stop
-token but the vocabulary's last id, so rows run to the limit). Prints per backend: start time (model load;
-for vLLM the engine too), generated tokens/s (median of ``--repeats``), and the time to
-load a new version of the weights (vLLM: into the running engine), then the ratio of
-vLLM's tokens/s to the loop's.
+The workers run in this process: started one after the other, then their generate calls
+interleaved repeat by repeat (the machine's drift hits every backend), on the same prompts
+(``--prompts`` problems x ``--samples`` samples, ``--new`` tokens, sampled at temperature 1;
+the only stop token is the vocabulary's last id, so rows run to the limit). Prints per
+backend: start time (model load; for vLLM the engine too), generated tokens/s (median of
+``--repeats``), and the time to load a new version of the weights (vLLM: into the running
+engine), then the ratio of vLLM's tokens/s to the loop's.
 
 ``--model`` is a Hugging Face folder; without it a random Llama of SmolLM2-135M's shape
 (hidden 576, 30 layers, 9 heads of 64, 3 KV heads, vocabulary 49152) with the tiny task's
@@ -53,20 +54,23 @@ def _build_smollm_shape(path: str) -> str:
     return path
 
 
-def _run(worker_cls: Any, cfg: dict[str, Any], tok: Any, data: Any, repeats: int) -> dict:
+def _start(worker_cls: Any, cfg: dict[str, Any], tok: Any) -> tuple[Any, float]:
     t0 = time.perf_counter()
     worker = worker_cls(cfg, tok)
-    start = time.perf_counter() - t0
-    rates = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = worker.generate(data)
-        rates.append(int(out["generation_lengths"].sum()) / (time.perf_counter() - t0))
+    return worker, time.perf_counter() - t0
+
+
+def _rate(worker: Any, data: Any) -> float:
+    t0 = time.perf_counter()
+    out = worker.generate(data)
+    return int(out["generation_lengths"].sum()) / (time.perf_counter() - t0)
+
+
+def _weights_load(worker: Any) -> float:
     state = {k: v * 1.001 for k, v in worker.get_state_dict().items()}
     t0 = time.perf_counter()
     worker.update_weights(state)
-    refit = time.perf_counter() - t0
-    return {"start": start, "tokens_per_s": statistics.median(rates), "refit": refit}
+    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -106,9 +110,17 @@ def main() -> None:
             vcfg = {"enforce_eager": eager, "max_model_len": int(ids.shape[1]) + args.new}
             name = "vLLM eager" if eager else "vLLM compiled"
             runs[name] = (VllmGenerationWorker, {**common, "backend": "vllm", "vllm_cfg": vcfg})
-        results = {}
+        workers, results = {}, {}
         for name, (cls, cfg) in runs.items():
-            results[name] = r = _run(cls, cfg, tok, data, args.repeats)
+            workers[name], start = _start(cls, cfg, tok)
+            results[name] = {"start": start, "rates": []}
+        for _ in range(args.repeats):
+            for name, worker in workers.items():
+                results[name]["rates"].append(_rate(worker, data))
+        for name, worker in workers.items():
+            r = results[name]
+            r["tokens_per_s"] = statistics.median(r["rates"])
+            r["refit"] = _weights_load(worker)
             print(
                 f"{name:<14} start {r['start']:7.1f} s  {r['tokens_per_s']:7.1f} tokens/s  "
                 f"weights load {r['refit'] * 1000:8.1f} ms",
