@@ -115,9 +115,12 @@ def test_grpo_run_stops_on_ctrl_c(tmp_path):
             "--train-micro-batch-size", "2", "--warmup-steps", "0", "--eval-every", "0",
             "--checkpoint-every", "1", "--num-policy-workers", "1", "--no-progress"]  # fmt: skip
     run = tmp_path / "g"
-    code, elapsed, err = _run_and_interrupt(
-        argv, run, signal.SIGINT, lambda rows: any("reward_mean" in r for r in rows)
-    )
+    first_checkpoint = run / "checkpoints" / "step_1" / "state.json"  # written after the row
+
+    def started(rows: list[dict]) -> bool:
+        return any("reward_mean" in r for r in rows) and first_checkpoint.exists()
+
+    code, elapsed, err = _run_and_interrupt(argv, run, signal.SIGINT, started)
     assert code == 130, err[-3000:]
     assert elapsed < 10, elapsed
     assert "interrupted by SIGINT" in err and f"{run} keeps " in err
