@@ -73,7 +73,10 @@ class PolicyRecovery:
         return self._root
 
     def snapshot(self, step: int) -> None:
-        """Keep the policy's current state as the last good one (after ``step``)."""
+        """Keep the policy's current state as the last good one (after ``step``); nothing
+        with ``max_restarts=0``, where no relaunch would read it."""
+        if self.max_restarts == 0:
+            return
         t = time.perf_counter()
         path = os.path.join(self._state_root(), f"step_{step}")
         shutil.rmtree(path, ignore_errors=True)  # a half-written one from a failed try

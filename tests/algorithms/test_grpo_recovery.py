@@ -20,7 +20,7 @@ import torch
 
 from phalanx.algorithms import _harness as harness
 from phalanx.algorithms.grpo import GRPOConfig, train
-from phalanx.algorithms.grpo_recovery import RestartBudgetSpentError
+from phalanx.algorithms.grpo_recovery import PolicyRecovery, RestartBudgetSpentError
 from phalanx.algorithms.grpo_run import latest_checkpoint
 from phalanx.observe.metrics import read_metrics
 
@@ -201,6 +201,15 @@ def test_a_negative_max_restarts_is_refused_naming_the_flag(tmp_path, capsys):
         "phalanx train grpo: error: max_restarts must be >= 0, got -1 (flag --max-restarts)\n"
     )
     assert not run_dir.exists()
+
+
+@pytest.mark.timeout(60)
+def test_no_state_is_kept_without_a_restart_budget():
+    """``max_restarts=0``: no relaunch would read a snapshot, so none is taken (the policy
+    is not touched: ``run`` is None here)."""
+    recovery = PolicyRecovery(None, None, max_restarts=0)
+    recovery.snapshot(1)
+    assert (recovery.good, recovery.save_seconds, recovery.restarts) == (None, 0.0, 0)
 
 
 @pytest.mark.timeout(120)
