@@ -54,9 +54,7 @@ from phalanx.comm.wire import (
     Outgoing,
     blob_bytes,
     byte_view,
-    flat_u8,
     select_transport,
-    torch_module,
 )
 
 
@@ -226,11 +224,10 @@ class Sending:
                 self._init_pg(conn, backend, check, msg.options)
         meta = pickle.dumps((msg.kind, msg.skeleton, specs, segment))
         send_views(sock, frame_views(meta, inline), check)
-        torch = torch_module()
         for b in bulk:
             pg = conn.pgs[b.transport]
-            data = b.data if b.is_tensor else torch.frombuffer(b.data, dtype=torch.uint8)
-            work = pg.send([flat_u8(data) if b.transport == GLOO else data], 1, 0)
+            data = b.data if b.is_tensor and b.transport != GLOO else blob_bytes(b)
+            work = pg.send([data], 1, 0)
             if b.transport == GLOO:
                 self._wait_bulk(conn, info, work)
             else:
