@@ -101,12 +101,7 @@ def train(
             #      (a group per prompt), responses, rewards, advantages within each group
             with bar.waiting(f"generating {plan.batch} responses"):
                 traj, info = rollouts.take(step)
-            data = training_batch(traj)  # 5. the loss counts the generated tokens only
-            if cfg.async_grpo:  # the ratio's "old" log-probs: the generating weights'
-                data["generation_logprobs"] = traj["generation_logprobs"][
-                    :, : data["input_ids"].shape[1]
-                ]
-                data["generation_is_current"] = (traj["version"] == step - 1).float()
+            data = training_batch(traj, step - 1)  # 5. the loss counts the response only
 
             def learn(step: int = step, data: Any = data) -> dict[str, Any]:
                 policy = run.policy  # a new group after a rank died (recovery)
@@ -117,6 +112,7 @@ def train(
                     if not plan.on_policy:
                         own = policy.get_logprobs(data)["logprobs"]
                         data["prev_logprobs"] = behaviour_logprobs(own, data)
+                        data["policy_logprobs"] = own  # the generator's gap is to these
                     if cfg.kl_beta > 0:
                         ref = policy.get_reference_policy_logprobs(data)
                         data["reference_policy_logprobs"] = ref["reference_logprobs"]
@@ -202,6 +198,7 @@ def step_metrics(
         "entropy": sum(mb["entropy_sum"]) / ntok,
         "clip_frac": sum(mb["clip_frac_sum"]) / ntok,
         "ratio_mean": sum(mb["ratio_sum"]) / ntok,
+        "train/gen_logprob_error": sum(mb["gen_logprob_error_sum"]) / ntok,
         **info,
         **{f"time/{k}": v for k, v in phases.times.items()},
         **{f"memory/{k}_peak_gb": v for k, v in phases.memory_gb.items()},

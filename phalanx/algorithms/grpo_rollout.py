@@ -68,17 +68,22 @@ def rollout(
     )
 
 
-def training_batch(traj: BatchedDataDict) -> BatchedDataDict:
-    """The policy's input: the loss counts the response tokens only."""
+def training_batch(traj: BatchedDataDict, version: int) -> BatchedDataDict:
+    """The policy's input: the loss counts the response tokens only. The generator's
+    log-probs go with it, and ``generation_is_current`` [B]: 1 where the row's ``version``
+    is the policy's ``version`` now (every row without versions: synchronous GRPO)."""
     T = int(traj["input_lengths"].max())
     pos = torch.arange(T)[None]
     token_mask = (pos >= traj["prompt_lengths"][:, None]) & (pos < traj["input_lengths"][:, None])
+    current = traj["version"] == version if "version" in traj else torch.ones(traj.size)
     return BatchedDataDict(
         input_ids=traj["input_ids"][:, :T],
         input_lengths=traj["input_lengths"],
         token_mask=token_mask.float(),
         sample_mask=torch.ones(traj.size),
         advantages=traj["advantages"],
+        generation_logprobs=traj["generation_logprobs"][:, :T],
+        generation_is_current=current.float(),
     )
 
 

@@ -19,7 +19,7 @@ from phalanx.algorithms.grpo import (
     train,
 )
 from phalanx.algorithms.grpo_group_calls import generate as _generate
-from phalanx.algorithms.grpo_loss import OnPolicyPGLossFn
+from phalanx.algorithms.grpo_loss import OnPolicyPGLossFn, gen_logprob_error_sum
 from phalanx.llm.loss import ClippedPGLossConfig, ClippedPGLossFn, token_logprobs
 from tests.helpers import kill_generation_after_step_1
 
@@ -89,6 +89,44 @@ def test_on_policy_loss_is_the_clipped_loss_with_its_own_logprobs():
     expected.backward()
     torch.testing.assert_close(logits.grad, ref_logits.grad)
     assert "prev_logprobs" not in data  # the caller's batch is left as it was
+
+
+@pytest.mark.smoke
+def test_gen_logprob_error_is_the_token_mult_prob_error_less_one():
+    # The probabilities differ by a factor 2 on two valid tokens and agree on the third;
+    # the fourth is masked. NeMo-RL's token_mult_prob_error: (2 + 2 + 1) / 3.
+    trainer = torch.log(torch.tensor([[0.5, 0.25, 0.1, 0.9]], dtype=torch.float64))
+    generator = torch.log(torch.tensor([[0.25, 0.5, 0.1, 0.05]], dtype=torch.float64))
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+    total = gen_logprob_error_sum(trainer, generator, mask)
+    assert float(total) == pytest.approx(2.0, abs=1e-12)
+    assert float(total) / 3 == pytest.approx(5 / 3 - 1, abs=1e-12)
+    assert float(gen_logprob_error_sum(trainer, trainer, mask)) == 0.0
+
+    # In the loss: against the forward's own log-probs (one update per batch), or against
+    # policy_logprobs when the batch carries its "old" log-probs.
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)
+    ids = torch.randint(0, 7, (2, 5))
+    own = torch.nn.functional.pad(token_logprobs(logits, ids), (1, 0))
+    data = {
+        "input_ids": ids,
+        "token_mask": torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 0, 0]], dtype=torch.float32),
+        "sample_mask": torch.ones(2),
+        "advantages": torch.tensor([1.0, -1.0]),
+        "generation_logprobs": own + torch.log(torch.tensor([[1.0], [1.5]])),
+        "generation_is_current": torch.ones(2),
+    }
+    fn = OnPolicyPGLossFn(ClippedPGLossConfig(0.2, 0.2, 0.0))
+    _, m = fn(logits, data, torch.tensor(2.0), torch.tensor(5.0))
+    assert m["gen_logprob_error_sum"] == pytest.approx(2 * 0.5, abs=1e-5)  # row 1: 2 tokens
+    old = {**data, "prev_logprobs": own, "policy_logprobs": data["generation_logprobs"]}
+    _, m_old = fn(logits, old, torch.tensor(2.0), torch.tensor(5.0))
+    assert m_old["gen_logprob_error_sum"] == 0.0
+    _, m_none = fn(
+        logits, {k: data[k] for k in list(data)[:4]}, torch.tensor(2.0), torch.tensor(5.0)
+    )
+    assert "gen_logprob_error_sum" not in m_none
 
 
 def test_derive_max_total_sequence_length():
@@ -282,6 +320,10 @@ def test_two_steps_through_the_cli_then_resume(cli_run):
                 "memory/training_peak_gb", "truncated", "groups_with_signal"):  # fmt: skip
         assert key in step2, key
     assert step2["memory/training_peak_gb"] > 0.05  # a real process high-water mark
+    # The generator (phalanx's own loop, fp32) and the trainer agree on the sampled tokens.
+    for r in rows:
+        if "reward_mean" in r:
+            assert 0.0 <= r["train/gen_logprob_error"] < 1e-5, r["train/gen_logprob_error"]
     with open(os.path.join(run_dir, "config.json")) as f:
         saved = json.load(f)
     assert saved["model"] == "tiny" and saved["task"] == "tiny-addition"
