@@ -44,7 +44,7 @@ class EnvRunnerGroupConfig:
             ``num_env_runners`` (each reserves ``num_cpus_per_env_runner``); a standby
             takes over the id, state and weights of a runner that fails, in one call
             instead of a new process, and the failed runner's restarted process becomes
-            a standby (0: off; see :mod:`phalanx.envs.runner_standby`).
+            a standby (0: off; see :mod:`phalanx.envs.runner_ids`).
         restart_failed_env_runners: replace a failed runner's process (its env raised
             or it died) at once; the call it failed in goes on without it and it is back
             in service at the next probe (``sample`` probes every round) (True).

@@ -16,9 +16,11 @@ sample rounds in a row stops the run with an error naming it and the cause.
 Calls go through the group's public RLlib face (``foreach_actor``,
 ``foreach_worker_async``, ``fetch_ready_async_reqs``, ``probe_unhealthy_workers``); worker
 ids follow RLlib: 0 is the local runner, remote runners are ``1..n`` (the phalanx rank
-plus one, and the ``worker_index`` of their :class:`EnvContext`). Weight sync and
-connector state are in :mod:`phalanx.envs.runner_weights`, policies in
-:mod:`phalanx.envs.runner_policies`.
+plus one, and the ``worker_index`` of their :class:`EnvContext`), or a standby runner's
+that took over (:mod:`phalanx.envs.runner_ids`). The group holds one object per concern:
+runner ids and standby runners (``RunnerIds``), weight sync (``WeightSync``), the merged
+connector state (``ConnectorState``) and the added policies (``RunnerPolicies``); its
+calls on the runners are in :mod:`phalanx.envs.runner_foreach`.
 """
 
 from __future__ import annotations
@@ -30,18 +32,25 @@ from dataclasses import replace
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
 import ray
 import torch
 
-from phalanx._base.checks import check_int, check_ranks, check_timeout
+from phalanx._base.checks import check_int, check_timeout
 from phalanx._base.errors import WorkerDiedError, WorkerError
 from phalanx.envs.config import EnvContext, EnvRunnerGroupConfig
+from phalanx.envs.connector_state import ConnectorState, merge_and_broadcast
 from phalanx.envs.env_runner import EnvCreator, EnvRunner, check_env_id, check_spaces, make_env
-from phalanx.envs.normalize import RunningMeanStd
 from phalanx.envs.runner_foreach import RunnerForeach
-from phalanx.envs.runner_policies import RunnerPolicies
-from phalanx.envs.runner_standby import RunnerStandby
-from phalanx.envs.runner_weights import RunnerWeights
+from phalanx.envs.runner_ids import RunnerIds
+from phalanx.envs.runner_policies import (
+    RunnerPolicies,
+    add_policy,
+    check_new_policy,
+    foreach_policy,
+    policy_spec,
+)
+from phalanx.envs.weight_sync import WeightSync, state_dicts
 from phalanx.group.fault import RestartPolicy, WorkerHealth
 from phalanx.group.futures import GroupHandle
 from phalanx.group.group import WorkerGroup
@@ -59,7 +68,7 @@ _PROBE_POLL_S = 1e-3
 RESTART_WAIT_S = 180.0
 
 
-class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies):
+class EnvRunnerGroup(RunnerForeach):
     """Set of EnvRunners: ``n`` remote runners (a phalanx group) and zero or one local one.
 
     ``EnvRunnerGroup(*, env_creator=None, validate_env=None, default_policy_class=None,
@@ -165,25 +174,18 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         self._default_policy_class = default_policy_class
         self._cluster = cluster
         self._name = name
-        self._group: WorkerGroup | None = None
+        self._local: EnvRunner | None = None
+        self._group: WorkerGroup | None = None  # the remote runners
+        self._ids = RunnerIds()  # which rank serves which runner id; standby runners
+        self._weights = WeightSync(timeout_s=config.sample_timeout_s)
+        self._connector = ConnectorState()
+        self._policies = RunnerPolicies(config.policies_to_train)
+        self.global_vars: dict[str, Any] = {}
+        self.num_env_steps_sampled = 0
+        # Sampling rounds.
         self._failures: dict[int, int] = {}  # runner id -> sample rounds failed in a row
-        self._active: list[int] = []
-        self._spares: list[int] = []
-        self._handed_over: list[int] = []  # ids a standby took over since the last probe
         self._round_ids: dict[int, int] = {}  # rank -> runner id of the round in flight
         self._stalled: dict[int, Any] = {}  # rank -> its last sample call past the timeout
-        self.num_standby_takeovers = 0
-        self._sender: Any = None
-        self._sync_pending = False
-        self._local: EnvRunner | None = None
-        self._obs_norm: RunningMeanStd | None = None
-        self._added_policies: dict[str, dict[str, Any]] = {}
-        self._policies_to_train = (
-            None if config.policies_to_train is None else list(config.policies_to_train)
-        )
-        self.num_env_steps_sampled = 0
-        self._weights_version = 0
-        self.global_vars: dict[str, Any] = {}
         if not _setup:
             return
         self._check_spaces_before_start(config.num_env_runners, local_env_runner)
@@ -261,7 +263,7 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         # The local runner is the weight source below; without one, the old runners are.
         carried = self._remote_weights() if old is not None and self._local is None else None
         if old is not None:
-            self._close_sender()
+            self._weights.close()
             old.shutdown(force=True)
             self._group = None
         self.config = replace(self.config, num_env_runners=total)
@@ -280,7 +282,7 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         self._adopt(group, spares)
         if validate:
             self._validate_remote_spaces()
-        if self._added_policies or self._obs_norm is not None:
+        if self._policies.added or self._connector.obs_norm is not None:
             self._foreach_remote(_apply_state, kwargs={"state": self._restore_state()})
         if self._local is not None:
             self.sync_weights(timeout_seconds=None)
@@ -290,7 +292,13 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
     def _adopt(self, group: WorkerGroup, num_standby: int = 0) -> None:
         """Make ``group`` this set's remote runners (its last ``num_standby`` ranks stand by)."""
         self._group = group
-        self._assign_ranks(group.world_size, num_standby)
+        self._ids = RunnerIds(
+            group,
+            num_standby,
+            probe_timeout_s=self.config.env_runner_health_probe_timeout_s,
+            restore_state=self._restore_state,
+            takeovers=self._ids.takeovers,
+        )
         self._stalled = {}
         self._failures = {}
         self._register_restore_state()
@@ -302,25 +310,14 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         ref = spaces[0]
         if self._local is not None:
             ref = (self._local.observation_space, self._local.action_space)
-        for rank, sp in zip(self._all_ranks(), spaces):
+        for rank, sp in zip(self._ids.all_ranks(), spaces):
             if sp != ref:
+                label = self._ids.label(rank)
                 self.stop()
                 raise ValueError(
-                    f"env_creator: spaces mismatch between env runners: {self._label(rank)} has "
+                    f"env_creator: spaces mismatch between env runners: {label} has "
                     f"observation_space={sp[0]}, action_space={sp[1]}; expected {ref}"
                 )
-
-    # ------------------------------------------------------------------ ids
-    def _ranks(
-        self, worker_ids: list[int] | None, arg: str = "remote_worker_ids"
-    ) -> list[int] | None:
-        """RLlib's remote ids (1..n) as the ranks of the group that serve them."""
-        if worker_ids is None:
-            return None
-        if isinstance(worker_ids, int):
-            worker_ids = [worker_ids]
-        ids = check_ranks(worker_ids, self.num_remote_workers(), arg, repeats="allow", first=1)
-        return [self._active[i - 1] for i in ids]
 
     # ------------------------------------------------------------------ counts and health
     @property
@@ -347,7 +344,7 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         Returns:
             The number of runners.
         """
-        return 0 if self._group is None else len(self._active)
+        return self._ids.num_serving()
 
     def num_remote_workers(self) -> int:
         """RLlib's older name of ``num_remote_env_runners``.
@@ -363,7 +360,7 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         Returns:
             The ids, in order.
         """
-        return [self._id_of(r) for r in self._in_service()]
+        return [self._ids.id_of(r) for r in self._ids.in_service()]
 
     def healthy_worker_ids(self) -> list[int]:
         """RLlib's older name of ``healthy_env_runner_ids``.
@@ -379,7 +376,7 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         Returns:
             The number of runners.
         """
-        return len(self._in_service())
+        return len(self._ids.in_service())
 
     def num_healthy_remote_workers(self) -> int:
         """RLlib's older name of ``num_healthy_remote_env_runners``.
@@ -404,6 +401,27 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
             The number of runners.
         """
         return self.num_healthy_env_runners()
+
+    def num_standby_env_runners(self) -> int:
+        """Standby runners of the group (in service or being restarted).
+
+        Returns:
+            The number of runners.
+        """
+        return len(self._ids.spares)
+
+    def num_healthy_standby_env_runners(self) -> int:
+        """Standby runners in service, ready to take over a failed runner's id.
+
+        Returns:
+            The number of runners.
+        """
+        return self._ids.num_healthy_standby()
+
+    @property
+    def num_standby_takeovers(self) -> int:
+        """How many times a standby runner took over a failed runner's id."""
+        return self._ids.takeovers
 
     def num_remote_env_runner_restarts(self) -> int:
         """How many times a remote runner came back into service (RLlib's count).
@@ -478,10 +496,9 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         if self._group is None:
             return []
         back = self._group.probe_unhealthy_workers(timeout)
-        self._in_service()  # standby runners take over the ids still out
-        ids = sorted({self._id_of(r) for r in back} - {None} | set(self._handed_over))
-        self._handed_over.clear()
-        return ids
+        self._ids.in_service()  # standby runners take over the ids still out
+        handed_over = self._ids.take_handed_over()
+        return sorted({self._ids.id_of(r) for r in back} - {None} | set(handed_over))
 
     # ------------------------------------------------------------------ spaces
     def get_spaces(self) -> dict[str, tuple[gym.Space, gym.Space]]:
@@ -499,7 +516,7 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         ids = self.healthy_worker_ids()
         if not ids and self.config.restart_failed_env_runners:
             # every runner is out with restarts under way (e.g. killed while starting)
-            ids = [self._id_of(r) for r in self._wait_for_any(self._restart_wait_s())]
+            ids = [self._ids.id_of(r) for r in self._wait_for_any(self._restart_wait_s())]
         if not ids:
             raise RuntimeError("get_spaces: no local runner and no healthy remote runner")
         return self._first_answer("get_spaces", ids)
@@ -526,7 +543,7 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         if self._group is None:
             return None
         self._probe(_PROBE_POLL_S)
-        ranks = self._in_service() or self._wait_for_any(self._restart_wait_s())
+        ranks = self._ids.in_service() or self._wait_for_any(self._restart_wait_s())
         if not ranks:
             health = self._group.health()
             raise WorkerDiedError(
@@ -536,10 +553,10 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
                 "",
                 "NoHealthyRunner",
                 "no remote env runner is in service to sample with (runner health: "
-                + ", ".join(f"{self._label(r)}: {h.value}" for r, h in health.items())
+                + ", ".join(f"{self._ids.label(r)}: {h.value}" for r, h in health.items())
                 + f"; {self.num_remote_env_runner_restarts()} restarts so far)",
             )
-        self._round_ids = {r: self._id_of(r) for r in ranks}
+        self._round_ids = {r: self._ids.id_of(r) for r in ranks}
         return self._group.call_ranks(
             "sample", [(r, (), kwargs) for r in ranks], skip_unhealthy=True
         )
@@ -554,7 +571,7 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         deadline = time.monotonic() + timeout
         while True:
             self._probe(_PROBE_POLL_S)
-            ranks = self._in_service()
+            ranks = self._ids.in_service()
             left = deadline - time.monotonic()
             if ranks or left <= 0:
                 return ranks
@@ -562,7 +579,7 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
             if not restarting:
                 # None under way: a full probe restarts what the policy allows and waits.
                 self._probe(self.config.env_runner_health_probe_timeout_s)
-                ranks = self._in_service()
+                ranks = self._ids.in_service()
                 if ranks or _RESTARTING not in self._group.health().values():
                     return ranks
                 continue
@@ -608,7 +625,7 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
                 stalled[rank] = f"sample() still running after sample_timeout_s={timeout}"
                 self._group.take_out_of_service(rank, stalled[rank], running=ref)
                 self._stalled[rank] = ref
-                logger.warning("%s: %s: its batch is dropped", self._label(rank), stalled[rank])
+                logger.warning("%s: %s: its batch is dropped", self._ids.label(rank), stalled[rank])
         self._count_failures(results, stalled)
         return [v for _, v in self._settle(results, "sample")]
 
@@ -653,6 +670,332 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         """
         return self.collect_samples(self.sample_async(**kwargs), **kwargs)
 
+    # ------------------------------------------------------------------ weights
+    @property
+    def weights_version(self) -> int:
+        """Version of the weights last sent by ``sync_weights`` (0: none yet)."""
+        return self._weights.version
+
+    def sync_weights(
+        self,
+        policies: list[str] | None = None,
+        from_worker_or_learner_group: Any = None,
+        to_worker_indices: list[int] | None = None,
+        global_vars: dict[str, Any] | None = None,
+        timeout_seconds: float | None = 0.0,
+        inference_only: bool = False,
+    ) -> Any:
+        """Send policy weights to the remote runners (and the local one) with a new version.
+
+        Source (``from_worker_or_learner_group``): None (the local runner), an
+        ``EnvRunner``, a remote worker id (int), an ``nn.Module`` (the default policy), or
+        ``{policy_id: nn.Module | state dict}``. ``policies`` limits which policies go.
+        ``to_worker_indices``: remote ids (1..n) to update (default: all in service).
+        ``timeout_seconds``: 0 starts the transfer and returns (RLlib's fire-and-forget;
+        the next sync completes it), None or > 0 blocks until applied. Returns the
+        weight layer's ``SyncResult`` (None while a fire-and-forget send is in flight).
+        ``global_vars`` are set on every runner (``runner.global_vars``).
+
+        Args:
+            policies: the policies to send (every policy if None).
+            from_worker_or_learner_group: where the weights come from, as above.
+            to_worker_indices: the remote ids (1..n) to update.
+            global_vars: values set as every runner's ``global_vars``.
+            timeout_seconds: 0 returns once the send started; None or > 0 waits.
+            inference_only: accepted for RLlib's signature.
+
+        Returns:
+            The ``SyncResult``, or None while a fire-and-forget send is in flight.
+
+        Raises:
+            WeightMismatchError: a runner's policy does not match the weights.
+        """
+        if isinstance(from_worker_or_learner_group, int) and not isinstance(
+            from_worker_or_learner_group, bool
+        ):
+            rank = self._ids.ranks([from_worker_or_learner_group], "from_worker_or_learner_group")
+            source = self._first_answer("get_weights", [rank[0] + 1])
+        else:
+            source = from_worker_or_learner_group
+        weights = state_dicts(source, policies, self._local)
+        ranks = self._ids.ranks(to_worker_indices, "to_worker_indices")
+        timeout = check_timeout(timeout_seconds, "timeout_seconds")
+        result = None
+        if self._group is not None:
+            self._weights.start(self._group)
+            healthy = set(self._ids.up_ranks())  # standby runners keep current weights too
+            everyone = self._ids.all_ranks()
+            targets = [r for r in (everyone if ranks is None else ranks) if r in healthy]
+            result = self._weights.send(weights, targets, timeout)
+        version = self._weights.next_version()
+        if self._local is not None:
+            if from_worker_or_learner_group is None or from_worker_or_learner_group is self._local:
+                self._local._px_weights_version = version
+            else:
+                self._local.set_weights(weights, weights_version=version)
+        if global_vars is not None:
+            self.global_vars = dict(global_vars)
+            self.foreach_worker(_set_global_vars, kwargs={"global_vars": self.global_vars})
+            self._register_restore_state()
+        return result
+
+    def _remote_weights(self) -> dict[str, dict[str, np.ndarray]]:
+        ids = self.healthy_worker_ids()
+        if not ids:
+            raise RuntimeError("no healthy remote runner to read weights from")
+        return self._first_answer("get_weights", ids)
+
+    # ------------------------------------------------------------------ connector state
+    def sync_env_runner_states(
+        self,
+        *,
+        config: Any = None,
+        from_worker: EnvRunner | None = None,
+        env_steps_sampled: int | None = None,
+        connector_states: list[dict[str, Any]] | None = None,
+        rl_module_state: dict[str, Any] | None = None,
+        env_runner_indices_to_update: list[int] | None = None,
+        env_to_module: Any = None,
+        module_to_env: Any = None,
+    ) -> dict[str, Any]:
+        """Merge the runners' connector states and give every runner the merged state.
+
+        The observation normaliser's per-runner deltas since the last sync are folded into
+        one global mean/std (from ``connector_states`` if given, else fetched from the
+        runners in service and ``from_worker``/the local runner); the result goes to the
+        local runner and the remote runners ``env_runner_indices_to_update`` (default all
+        in service) and is registered so runners returning to service get it too.
+
+        RLlib's other keywords: ``config`` (an RLlib ``AlgorithmConfig`` or any object)
+        is read for ``merge_env_runner_states`` (True, False or ``"training_only"`` with
+        its ``in_evaluation``) and ``broadcast_env_runner_states``; None merges and
+        broadcasts. ``env_steps_sampled`` becomes every runner's ``num_env_steps_sampled``.
+        ``rl_module_state`` (``{"rl_module": {policy_id: state dict}}`` or
+        ``{policy_id: state dict}``) is sent as weights to the same runners (a blocking
+        ``sync_weights``). ``env_to_module``/``module_to_env`` (RLlib's connector pipeline
+        objects) have no counterpart here and raise ``ValueError``.
+        Returns the merged connector state (``{}`` without observation normalisation).
+
+        Args:
+            config: an object read for ``merge_env_runner_states`` and
+                ``broadcast_env_runner_states``.
+            from_worker: a runner whose state joins the merge.
+            env_steps_sampled: every runner's new ``num_env_steps_sampled``.
+            connector_states: the runners' states to merge (fetched if None).
+            rl_module_state: weights sent to the same runners.
+            env_runner_indices_to_update: the remote ids (1..n) to update.
+            env_to_module: not supported.
+            module_to_env: not supported.
+
+        Returns:
+            The merged connector state.
+
+        Raises:
+            ValueError: ``env_to_module`` or ``module_to_env`` is given.
+            TypeError: ``rl_module_state`` is not a dict.
+        """
+        for name, value in (("env_to_module", env_to_module), ("module_to_env", module_to_env)):
+            if value is not None:
+                raise ValueError(
+                    f"{name}: phalanx env runners have no connector pipeline objects; their "
+                    "connector state is the observation normaliser (normalize_observations), "
+                    "merged from the runners or from connector_states"
+                )
+        merge, broadcast = merge_and_broadcast(config)
+        ranks = self._ids.ranks(env_runner_indices_to_update, "env_runner_indices_to_update")
+        if env_steps_sampled is not None:
+            self.num_env_steps_sampled = check_int(
+                env_steps_sampled, "env_steps_sampled", minimum=0
+            )
+        if rl_module_state is not None:
+            if not isinstance(rl_module_state, dict):
+                raise TypeError(
+                    f"rl_module_state must be a dict, got {type(rl_module_state).__name__}"
+                )
+            self.sync_weights(
+                from_worker_or_learner_group=rl_module_state.get("rl_module", rl_module_state),
+                to_worker_indices=env_runner_indices_to_update,
+                timeout_seconds=None,
+            )
+        state: dict[str, Any] = {}
+        if env_steps_sampled is not None:
+            state["num_env_steps_sampled"] = self.num_env_steps_sampled
+        if self.config.normalize_observations and merge:
+            if connector_states is None:
+                connector_states = self._connector_states(from_worker)
+            state["connector"] = self._connector.merge(connector_states, self._obs_shape)
+            if self._local is not None:
+                self._local.set_connector_state(state["connector"])
+        if self._local is not None and "num_env_steps_sampled" in state:
+            self._local.num_env_steps_sampled = self.num_env_steps_sampled
+        if self._group is not None and state and broadcast:
+            self._foreach_remote(
+                "set_state",
+                kwargs={"state": state},
+                ranks=ranks,
+                timeout_seconds=self.config.sample_timeout_s,
+            )
+            self._register_restore_state()
+        return state.get("connector", {})
+
+    def _connector_states(self, from_worker: EnvRunner | None) -> list[dict[str, Any]]:
+        """The connector states of the runners in service and of ``from_worker`` (or the
+        local runner)."""
+        states: list[dict[str, Any]] = []
+        if self._group is not None:
+            states.extend(
+                self._foreach_remote(
+                    "get_connector_state", timeout_seconds=self.config.sample_timeout_s
+                )
+            )
+        src = from_worker if from_worker is not None else self._local
+        if src is not None:
+            states.append(src.get_connector_state())
+        return states
+
+    def _obs_shape(self) -> tuple[int, ...]:
+        return self.get_spaces()["__env__"][0].shape or ()
+
+    def get_connector_state(self) -> dict[str, Any]:
+        """The merged connector state (what a checkpoint keeps).
+
+        Returns:
+            ``{"obs_norm": state}``, or ``{}`` without observation normalisation.
+        """
+        return self._connector.get()
+
+    def set_connector_state(self, state: dict[str, Any]) -> None:
+        """Set the merged connector state on every runner (e.g. from a checkpoint).
+
+        Args:
+            state: a state from ``get_connector_state``.
+        """
+        if not state or state.get("obs_norm") is None or not self.config.normalize_observations:
+            return
+        self._connector.load(state)
+        self.sync_env_runner_states(connector_states=[])
+
+    def _restore_state(self) -> dict[str, Any]:
+        """What a runner returning to service gets (``EnvRunner.set_state``)."""
+        return {
+            "connector": self._connector.restore(),
+            **self._policies.restore(),
+            "global_vars": dict(self.global_vars),
+        }
+
+    def _register_restore_state(self) -> None:
+        if self._group is not None:
+            self._group.register_state(None, self._restore_state())
+
+    # ------------------------------------------------------------------ policies
+    def foreach_policy(self, func: Callable[..., Any], **kwargs: Any) -> list[Any]:
+        """``func(policy, policy_id, **kwargs)`` for every policy of every runner (flat list).
+
+        Args:
+            func: called as ``func(policy, policy_id, **kwargs)``.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            The results of every runner, flat.
+        """
+        results = self.foreach_worker(foreach_policy, kwargs={"func": func, "kwargs": kwargs})
+        return [x for per_runner in results for x in per_runner]
+
+    def foreach_policy_to_train(self, func: Callable[..., Any], **kwargs: Any) -> list[Any]:
+        """Like ``foreach_policy`` for the policies in ``policies_to_train`` only.
+
+        Args:
+            func: called as ``func(policy, policy_id, **kwargs)``.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            The results of every runner, flat.
+        """
+        results = self.foreach_worker(
+            foreach_policy, kwargs={"func": func, "kwargs": kwargs, "to_train": True}
+        )
+        return [x for per_runner in results for x in per_runner]
+
+    def is_policy_to_train(self, policy_id: str, batch: Any = None) -> bool:
+        """Whether ``policy_id`` is trained (all policies are unless ``policies_to_train`` says).
+
+        Args:
+            policy_id: the policy's id.
+            batch: accepted for RLlib's signature.
+
+        Returns:
+            Whether it is trained.
+        """
+        return self._policies.is_to_train(policy_id)
+
+    def add_policy(
+        self,
+        policy_id: str,
+        policy_cls: type[torch.nn.Module] | None = None,
+        policy: torch.nn.Module | None = None,
+        *,
+        observation_space: gym.Space | None = None,
+        action_space: gym.Space | None = None,
+        config: dict[str, Any] | None = None,
+        policy_state: dict[str, Any] | None = None,
+        policies_to_train: list[str] | None = None,
+        workers: list[int] | None = None,
+    ) -> torch.nn.Module | None:
+        """Add a policy to every runner (or the remote runners ``workers``, ids 1..n).
+
+        Give a ``policy`` instance (its weights go along) or a ``policy_cls`` built as
+        ``policy_cls(observation_space, action_space, **config)``. ``policies_to_train``
+        replaces the trained set. Returns the local runner's new policy (if any).
+
+        Args:
+            policy_id: the new policy's id.
+            policy_cls: a module class, built as ``policy_cls(obs_space, act_space, **config)``.
+            policy: a module instance (its weights go along).
+            observation_space: the policy's observation space (the env's if None).
+            action_space: the policy's action space (the env's if None).
+            config: keyword arguments of ``policy_cls``.
+            policy_state: a state dict loaded into the new policy.
+            policies_to_train: the new set of trained policies.
+            workers: the remote ids (1..n) that get it (every runner if None).
+
+        Returns:
+            The local runner's new policy, or None.
+
+        Raises:
+            ValueError: ``policy_id`` is empty or has a ``.``, or ``policy`` is given with
+                neither ``observation_space`` nor ``config``.
+            TypeError: ``policy`` or ``policy_cls`` is not a torch module.
+        """
+        check_new_policy(policy_id, policy_cls, policy)
+        ranks = self._ids.ranks(workers, "workers")
+        spec = policy_spec(
+            policy_cls,
+            policy,
+            observation_space,
+            action_space,
+            config,
+            policy_state,
+            self.config.policy_config,
+        )
+        local_policy = None
+        if self._local is not None and workers is None:
+            local_policy = self._local.add_policy(policy_id, **spec)
+            if spec["policy_state"] is None:  # every runner starts from the local runner's
+                spec["policy_state"] = self._local.get_weights([policy_id])[policy_id]
+        if self._group is not None:
+            self._foreach_remote(
+                add_policy, kwargs={"policy_id": policy_id, "spec": spec}, ranks=ranks
+            )
+        if policies_to_train is not None:
+            self._policies.to_train = list(policies_to_train)
+            self.foreach_worker(
+                "set_policies_to_train", kwargs={"policies_to_train": policies_to_train}
+            )
+        if workers is None:
+            self._policies.added[policy_id] = spec
+        self._register_restore_state()
+        return local_policy
+
     # ------------------------------------------------------------------ lifecycle
     def reset(self, new_remote_workers: WorkerGroup) -> None:
         """Replace the remote runners with those of ``new_remote_workers`` (a launched
@@ -675,7 +1018,7 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
             )
         if "sample" not in new_remote_workers.methods:
             raise TypeError("new_remote_workers: the group's workers are not EnvRunners")
-        self._close_sender()
+        self._weights.close()
         if self._group is not None and self._group is not new_remote_workers:
             self._group.shutdown(force=True)
         self.config = replace(self.config, num_env_runners=new_remote_workers.world_size)
@@ -685,7 +1028,7 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
         """Close every runner's envs and end the remote runners."""
         if self._local is not None:
             self._local.stop()
-        self._close_sender()
+        self._weights.close()
         if self._group is not None:
             # Every runner, in service or not (RLlib stops them all), but one whose stalled
             # sample call still runs: its stop would queue behind it, and the shutdown ends it.
@@ -696,10 +1039,11 @@ class EnvRunnerGroup(RunnerStandby, RunnerForeach, RunnerWeights, RunnerPolicies
             )
             for r in results.errors:
                 logger.info(
-                    "stopping %s: %s", self._label(r.actor_id), str(r.get()).splitlines()[0]
+                    "stopping %s: %s", self._ids.label(r.actor_id), str(r.get()).splitlines()[0]
                 )
             self._group.shutdown(force=True)
             self._group = None
+            self._ids = RunnerIds(takeovers=self._ids.takeovers)
 
     def __repr__(self) -> str:
         return (
@@ -722,3 +1066,7 @@ def _env_spaces(runner: EnvRunner) -> tuple[gym.Space, gym.Space]:
 
 def _apply_state(runner: EnvRunner, state: dict[str, Any]) -> None:
     runner.set_state(state)
+
+
+def _set_global_vars(runner: EnvRunner, global_vars: dict[str, Any]) -> None:
+    runner.global_vars = dict(global_vars)

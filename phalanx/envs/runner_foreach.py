@@ -22,6 +22,7 @@ from phalanx._base.checks import check_timeout
 from phalanx._base.errors import WorkerError
 from phalanx.envs.config import EnvContext, EnvRunnerGroupConfig
 from phalanx.envs.env_runner import EnvRunner
+from phalanx.envs.runner_ids import RunnerIds
 from phalanx.group.dispatch import DispatchError, funcs_mismatch
 from phalanx.group.group import WorkerGroup
 from phalanx.group.results import RemoteCallResults
@@ -30,23 +31,24 @@ logger = logging.getLogger(__name__)
 
 
 class RunnerForeach:
-    """Mixin of ``EnvRunnerGroup``: every call on the runners but ``sample`` rounds.
+    """Base class of ``EnvRunnerGroup``: every call on the runners but ``sample`` rounds.
 
-    The group provides the attributes annotated here and ``_ranks``, ``_in_service``,
-    ``_all_ranks``, ``_id_of``, ``_label``, ``num_remote_workers``/``num_remote_env_runners``
-    and ``_fault_tolerant``.
+    It is the group's dispatch, which sampling, weight sync and policies all call, and it
+    holds no state of its own: it reads the group's ``config``, remote runners
+    (``_group``), local runner (``_local``), runner ids (``_ids``) and ``_fault_tolerant``.
     """
 
     config: EnvRunnerGroupConfig
     _group: WorkerGroup | None
     _local: EnvRunner | None
+    _ids: RunnerIds
     _fault_tolerant: bool
-    _active: list[int]
 
     # ------------------------------------------------------------------ calls and failures
     def _select(self, func: Any, remote_worker_ids: list[int] | None) -> tuple[list[int], Any]:
         """Ranks to call and ``func`` checked and wrapped to run on each of them."""
-        ranks = list(self._active) if remote_worker_ids is None else self._ranks(remote_worker_ids)
+        ids = self._ids
+        ranks = list(ids.active) if remote_worker_ids is None else ids.ranks(remote_worker_ids)
         funcs = func if isinstance(func, list) else [func]
         if isinstance(func, list) and len(func) != len(ranks):
             raise funcs_mismatch(len(func), len(ranks), "remote env runners")
@@ -70,7 +72,7 @@ class RunnerForeach:
         for r in errors:
             logger.warning(
                 "%s failed in %s() and is out of service: %s",
-                self._label(r.actor_id),
+                self._ids.label(r.actor_id),
                 method,
                 str(r.get()).splitlines()[0],
             )
@@ -105,29 +107,29 @@ class RunnerForeach:
         values = self._settle(results, method)
         if timeout_seconds:
             late = sorted(
-                set(self._all_ranks() if ranks is None else ranks)
+                set(self._ids.all_ranks() if ranks is None else ranks)
                 - {r.actor_id for r in results}
                 - set([] if not healthy_only else self._not_in_service())
             )
             if late:
                 logger.warning(
                     "%s: %s() still running after %ss; their results are dropped",
-                    ", ".join(self._label(r) for r in late),
+                    ", ".join(self._ids.label(r) for r in late),
                     method,
                     timeout_seconds,
                 )
-        order = {r: i for i, r in enumerate(self._all_ranks())}
+        order = {r: i for i, r in enumerate(self._ids.all_ranks())}
         return [v for _, v in sorted(values, key=lambda x: order[x[0]])]
 
     def _not_in_service(self) -> list[int]:
         up = set(self._group.healthy_worker_ids())
-        return [r for r in self._all_ranks() if r not in up]
+        return [r for r in self._ids.all_ranks() if r not in up]
 
     def _first_answer(self, method: str, ids: list[int]) -> Any:
         """``method()`` of the first of the runners ``ids`` that answers (RLlib asks one)."""
         for wid in ids:
             got = self._foreach_remote(
-                method, ranks=self._ranks([wid]), timeout_seconds=self.config.sample_timeout_s
+                method, ranks=self._ids.ranks([wid]), timeout_seconds=self.config.sample_timeout_s
             )
             if got:
                 return got[0]
@@ -326,7 +328,7 @@ class RunnerForeach:
         )
         if not return_obj_refs:
             check_returned([v for _, v in got])
-        return [(self._id_of(r), v) for r, v in got]
+        return [(self._ids.id_of(r), v) for r, v in got]
 
     def foreach_env_runner_async_fetch_ready(
         self,

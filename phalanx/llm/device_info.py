@@ -1,8 +1,7 @@
 """Device and memory facts of a policy rank (NeMo-RL's ``get_gpu_info`` keys, with CPU
 figures where there is no GPU), its device id for same-device refit, and the profiler.
 
-``DeviceInfoMixin`` is mixed into ``DTensorPolicyWorker``; the host class provides
-``model``, ``cfg``, ``device``, ``rank``, ``world_size`` and ``group_name``.
+``DTensorPolicyWorker`` holds one ``DeviceInfo`` and its NeMo-RL methods call it.
 """
 
 from __future__ import annotations
@@ -18,26 +17,44 @@ import torch.distributed as dist
 from phalanx.llm.fsdp_state import local
 
 
-class DeviceInfoMixin:
-    """``get_gpu_info``, ``report_device_id``, peak memory and the torch profiler."""
+class DeviceInfo:
+    """One policy rank's ``get_gpu_info``, ``report_device_id``, peak memory and profiler.
 
-    model: torch.nn.Module
-    cfg: dict[str, Any]
-    device: torch.device
-    rank: int
-    world_size: int
-    group_name: str
+    Args:
+        model: the rank's model (a parameter of it is sampled).
+        device: the rank's device.
+        rank: the rank among the policy's ranks.
+        world_size: how many ranks the policy has.
+        profile_dir: where traces go (``$TMPDIR/phalanx_profiles`` if None).
+        trace_name: the first part of a trace's file name.
+    """
 
-    def _init_device_info(self) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        rank: int,
+        world_size: int,
+        profile_dir: str | None,
+        trace_name: str,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.rank = rank
+        self.world_size = world_size
+        self._profile_dir = profile_dir
+        self._trace_name = trace_name
         self._profiler: Any = None
-        self._peak_rss = 0
+        self._peak_rss = 0  # the largest resident memory seen (CPU's peak memory figure)
 
-    def _close_profiler(self) -> None:
+    def close(self) -> None:
+        """Stop the profiler if it runs."""
         if self._profiler is not None:
             self._profiler.stop()
             self._profiler = None
 
     def reset_peak_memory_stats(self) -> None:
+        """Start the peak memory figures again from now."""
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         self._peak_rss = self._rss()
@@ -49,15 +66,7 @@ class DeviceInfoMixin:
         return psutil.Process().memory_info().rss
 
     def get_gpu_info(self) -> dict[str, Any]:
-        """Device and memory facts of this rank, with NeMo-RL's keys.
-
-        On CPU the memory figures are the process's resident memory (``memory_*_mb``) and
-        ``cuda`` is False; ``parameter_sample`` names one parameter with its device, shape
-        (this rank's shard) and dtype.
-
-        Returns:
-            A dict of the facts.
-        """
+        """Device and memory facts of this rank, with NeMo-RL's keys."""
         rss = self._rss()
         self._peak_rss = max(self._peak_rss, rss)
         mb = 1024 * 1024
@@ -111,11 +120,7 @@ class DeviceInfoMixin:
         return info
 
     def report_device_id(self) -> str:
-        """The GPU's UUID, or ``cpu:<hostname>`` on CPU (same-node processes share it).
-
-        Returns:
-            The id.
-        """
+        """The GPU's UUID, or ``cpu:<hostname>`` on CPU."""
         if torch.cuda.is_available():
             return str(torch.cuda.get_device_properties(self.device).uuid)
         return f"cpu:{socket.gethostname()}"
@@ -133,22 +138,15 @@ class DeviceInfoMixin:
         self._profiler.start()
 
     def stop_gpu_profiling(self) -> str:
-        """Stop the profiler and write a Chrome trace; returns its path.
-
-        Returns:
-            The trace's path.
-
-        Raises:
-            RuntimeError: the profiler was not started.
-        """
+        """Stop the profiler and write a Chrome trace; returns its path."""
         if self._profiler is None:
             raise RuntimeError("stop_gpu_profiling: call start_gpu_profiling first")
         prof, self._profiler = self._profiler, None
         prof.stop()
-        out_dir = self.cfg.get("profile_dir") or os.path.join(
+        out_dir = self._profile_dir or os.path.join(
             os.environ.get("TMPDIR", "/tmp"), "phalanx_profiles"
         )
         os.makedirs(out_dir, exist_ok=True)
-        path = os.path.join(out_dir, f"{self.group_name}_rank{self.rank}_{int(time.time())}.json")
+        path = os.path.join(out_dir, f"{self._trace_name}_{int(time.time())}.json")
         prof.export_chrome_trace(path)
         return path

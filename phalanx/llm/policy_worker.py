@@ -10,9 +10,13 @@ not depend on the sharding. Context parallelism needs CUDA (``check_parallel_con
 refuses it on CPU); on GPU the forward and backward run inside ``train_context``.
 
 The config is a dict of NeMo-RL's ``PolicyConfig`` keys (``policy_config.py`` lists and
-checks them). Weight refit lives in ``refit_source.py`` and memory moves in ``offload.py``
-and device facts in ``device_info.py`` (mixins of this class); the model is built by
-``build_model`` and the optimizer by ``build_optimizer`` over the trainable parameters.
+checks them). Besides the model, optimizer and reference weights, the worker holds three
+objects that its NeMo-RL methods call: a ``RefitSource`` (``refit_source.py``: the
+weights for generation workers and the buffers kept between refits), an ``Offload``
+(``offload.py``: where the model and optimizer state live, phase by phase) and a
+``DeviceInfo`` (``device_info.py``: device facts, peak memory, the profiler). Global and
+micro-batches are cut by ``microbatches.py``. The model is built by ``build_model`` and
+the optimizer by ``build_optimizer`` over the trainable parameters.
 
 With ``dynamic_batching`` or ``sequence_packing`` the data must come from
 ``BatchedDataDict.shard_by_batch_size`` with the matching arguments (``Policy`` does that):
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -35,7 +39,7 @@ from torch.distributed.tensor import DTensor
 from phalanx._base.heap import reuse_freed_memory
 from phalanx.data import BatchedDataDict
 from phalanx.llm.checkpoint import load_optimizer, load_sharded, save_optimizer, save_sharded
-from phalanx.llm.device_info import DeviceInfoMixin
+from phalanx.llm.device_info import DeviceInfo
 from phalanx.llm.fsdp_state import (
     full_state_dict,
     get_cpu_state_dict,
@@ -51,8 +55,17 @@ from phalanx.llm.loss import (
     drop_leading_positions,
     first_loss_position,
 )
+from phalanx.llm.microbatches import global_batches, logprob_micro_batches, micro_batches
 from phalanx.llm.model_setup import build_model
-from phalanx.llm.offload import OffloadMixin, free_device_cache
+from phalanx.llm.offload import (
+    Offload,
+    free_device_cache,
+    move_buffer_to_device,
+    move_optimizer_to_device,
+    move_to_cpu,
+    move_to_cuda,
+    move_to_device,
+)
 from phalanx.llm.optimizer import build_optimizer
 from phalanx.llm.packed_rows import pack_rows, unpack_to_rows, unpack_token_logprobs
 from phalanx.llm.parallelize import (
@@ -84,7 +97,7 @@ __all__ = [
 _PG_TIMEOUT = timedelta(seconds=PG_TIMEOUT_S)
 
 
-class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
+class DTensorPolicyWorker(Worker):
     """One rank of an FSDP2-sharded policy (NeMo-RL's ``DTensorPolicyWorker``).
 
     Args:
@@ -188,8 +201,30 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
             )
         if weights_path:
             self.load_checkpoint(weights_path, optimizer_path if init_optimizer else None)
-        self._init_refit_state()
-        self._init_device_info()
+        self._device_info = DeviceInfo(
+            self.model,
+            self.device,
+            self.rank,
+            self.world_size,
+            profile_dir=self.cfg.get("profile_dir"),
+            trace_name=f"{self.group_name}_rank{self.rank}",
+        )
+        self._refit = RefitSource(
+            self.model,
+            self.peft_model,
+            self.cfg,
+            self.dtype,
+            self.device,
+            self.rank,
+            device_id=self._device_info.report_device_id,
+        )
+        self._offload = Offload(
+            self.model,
+            self.optimizer,
+            model_device=torch.device("cpu") if dcfg.get("cpu_offload") else self.device,
+            offload_optimizer_for_logprob=self.cfg.get("offload_optimizer_for_logprob", True),
+            release_refit_buffers=self._refit.release_refit_buffers,
+        )
         self._microbatch_hooks: list[Callable[[], None]] = []
 
     # ------------------------------------------------------------------ setup
@@ -322,39 +357,6 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
         """The largest ``n`` over all policy ranks (forwards are collective)."""
         return int(self._all_reduce(torch.tensor(n), dist.ReduceOp.MAX).item())
 
-    def _microbatches(self, batch: BatchedDataDict, mbs: int, what: str) -> list[BatchedDataDict]:
-        """This rank's micro-batches of one global batch, per the batching mode."""
-        if self.mode == "plain":
-            if batch.size % mbs:
-                raise ValueError(
-                    f"{what}: mbs (train_micro_batch_size) {mbs} does not divide this rank's "
-                    f"global batch of {batch.size} rows"
-                )
-            return list(batch.make_microbatch_iterator(mbs)) if batch.size else []
-        if batch.micro_batch_indices is None:
-            option = "dynamic_batching" if self.mode == "dynamic" else "sequence_packing"
-            raise ValueError(
-                f"{what}: {option} is enabled but the data carries no micro-batch plan; shard "
-                "it with BatchedDataDict.shard_by_batch_size(..., "
-                f"{'dynamic_batching_args' if self.mode == 'dynamic' else 'sequence_packing_args'}"
-                "=...) (Policy does this)"
-            )
-        if self.mode == "dynamic":
-            return list(batch.make_microbatch_iterator_with_dynamic_shapes())
-        return list(batch.make_microbatch_iterator_for_packable_sequences())
-
-    def _global_batches(self, data: BatchedDataDict, local_gbs: int) -> list[BatchedDataDict]:
-        if data.elem_counts_per_gb is not None:  # sharded by shard_by_batch_size
-            return [data.get_batch(g) for g in range(len(data.elem_counts_per_gb))]
-        if self.mode != "plain":
-            self._microbatches(data, 1, "train")  # raises: no plan
-        if data.size % local_gbs:
-            raise ValueError(
-                f"train: this rank holds {data.size} rows, not a multiple of the per-rank "
-                f"global batch {local_gbs}"
-            )
-        return [data.slice(s, s + local_gbs) for s in range(0, data.size, local_gbs)]
-
     def add_microbatch_hook(self, hook: Callable[[], None]) -> None:
         """Call ``hook()`` before every training micro-batch (e.g. to follow a thread
         share that changes while a ``train`` call runs).
@@ -410,7 +412,7 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
             )
         if not eval_mode and self.optimizer is None:
             raise RuntimeError("train: the worker was built with init_optimizer=False")
-        batches = self._global_batches(data, local_gbs)
+        batches = global_batches(data, local_gbs, self.mode)
         n_gb = len(batches)
         if self._max_over_ranks(n_gb) != n_gb:
             raise ValueError(
@@ -433,7 +435,7 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
             global_toks, global_seqs = counts[0], counts[1]
             if not eval_mode:
                 self.optimizer.zero_grad(set_to_none=True)
-            micro = [mb for mb in self._microbatches(gb, mbs, "train") if mb.size]
+            micro = [mb for mb in micro_batches(gb, mbs, self.mode, "train") if mb.size]
             n_mb = self._max_over_ranks(len(micro))
             gb_loss = torch.zeros((), device=self.device)
             for i in range(n_mb):
@@ -498,22 +500,6 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
         }
 
     # ------------------------------------------------------------------ log-probs
-    def _logprob_microbatches(
-        self, data: BatchedDataDict, micro_batch_size: int | None
-    ) -> Iterator[tuple[int, BatchedDataDict]]:
-        """(first row, micro-batch) pairs covering ``data`` in order."""
-        if self.mode == "plain":
-            mbs = int(micro_batch_size or self.cfg.get("logprob_batch_size") or data.size or 1)
-            for start in range(0, data.size, mbs):
-                yield start, data.slice(start, min(start + mbs, data.size))
-            return
-        if data.micro_batch_indices is None:
-            self._microbatches(data, 1, "get_logprobs")  # raises: no plan
-        start = 0
-        for mb in self._microbatches(data, 1, "get_logprobs"):
-            yield start, mb
-            start += mb.size
-
     @torch.no_grad()
     def get_logprobs(
         self, data: BatchedDataDict, micro_batch_size: int | None = None
@@ -540,7 +526,8 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
         if lengths is None:
             lengths = torch.full((B,), T, dtype=torch.long)
         self.model.eval()
-        micro = [(s, mb) for s, mb in self._logprob_microbatches(data, micro_batch_size) if mb.size]
+        mbs = micro_batch_size or self.cfg.get("logprob_batch_size")
+        micro = [(s, mb) for s, mb in logprob_micro_batches(data, mbs, self.mode) if mb.size]
         # FSDP forwards are collective: every rank runs as many as the busiest one.
         n_max = self._max_over_ranks(len(micro))
         out = torch.zeros((B, T), dtype=torch.float32)
@@ -677,6 +664,254 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
         """
         return self.model.config
 
+    # ------------------------------------------------------------------ device facts
+    def reset_peak_memory_stats(self) -> None:
+        """Start the peak memory figures again from now (``get_gpu_info``'s peaks)."""
+        self._device_info.reset_peak_memory_stats()
+
+    def get_gpu_info(self) -> dict[str, Any]:
+        """Device and memory facts of this rank, with NeMo-RL's keys.
+
+        On CPU the memory figures are the process's resident memory (``memory_*_mb``) and
+        ``cuda`` is False; ``parameter_sample`` names one parameter with its device, shape
+        (this rank's shard) and dtype.
+
+        Returns:
+            A dict of the facts.
+        """
+        return self._device_info.get_gpu_info()
+
+    def report_device_id(self) -> str:
+        """The GPU's UUID, or ``cpu:<hostname>`` on CPU (same-node processes share it).
+
+        Returns:
+            The id.
+        """
+        return self._device_info.report_device_id()
+
+    def start_gpu_profiling(self) -> None:
+        """Start the torch profiler (CPU activity, plus CUDA when present)."""
+        self._device_info.start_gpu_profiling()
+
+    def stop_gpu_profiling(self) -> str:
+        """Stop the profiler and write a Chrome trace; returns its path.
+
+        Returns:
+            The trace's path.
+
+        Raises:
+            RuntimeError: the profiler was not started.
+        """
+        return self._device_info.stop_gpu_profiling()
+
+    # ------------------------------------------------------------------ refit
+    @property
+    def model_update_group(self) -> Any:
+        """The collective refit's process group (None before ``init_collective``)."""
+        return self._refit.model_update_group
+
+    def prepare_refit_info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """``{name: (full shape, refit dtype)}`` of the weights a refit sends (NeMo-RL's
+        ``prepare_refit_info``; the dtype is the policy's precision).
+
+        Returns:
+            A dict from parameter name to ``(shape, dtype)``.
+        """
+        return self._refit.prepare_refit_info()
+
+    def prepare_weights_for_ipc(self) -> tuple[list[tuple[str, int]], float]:
+        """Gather the full weights and hold them for ``get_weights_ipc_handles``.
+
+        Every rank must call it. Returns ``[(name, nbytes)]`` (at the refit dtype, the
+        policy's precision) and the bytes of device memory free for refit buffers.
+
+        Returns:
+            ``([(name, nbytes), ...], free bytes)``.
+        """
+        return self._refit.prepare_weights_for_ipc()
+
+    def get_weights_ipc_handles(self, keys: Iterable[str]) -> dict[str, Any]:
+        """Same-node handles to the held weights ``keys``: ``{device_id: handle}``.
+
+        On GPU the weights are packed into one CUDA buffer and its CUDA IPC handle is
+        returned; on CPU they are packed into a shared-memory segment (kept and reused
+        across refits) and its name is returned. The handle carries the stream layout.
+
+        Args:
+            keys: the parameter names.
+
+        Returns:
+            A dict from device id to its handle.
+
+        Raises:
+            RuntimeError: ``prepare_weights_for_ipc`` was not called.
+            KeyError: a name is not held.
+        """
+        return self._refit.get_weights_ipc_handles(keys)
+
+    def pack_weights_for_ipc(self) -> dict[str, Any] | None:
+        """``prepare_weights_for_ipc`` + ``get_weights_ipc_handles`` in one call, cheaper.
+
+        Every rank must call it; rank 0 returns the handles, once the weights are in place.
+        On CPU, when all policy ranks
+        share a node, each rank copies its own rows of every parameter into one
+        shared-memory segment (kept across refits; no gather, no collective after the
+        first call), so the cost is one parallel copy of the weights. Otherwise the full
+        weights are gathered and packed by rank 0, as NeMo-RL's two methods do.
+
+        Returns:
+            On rank 0, a dict from device id to its handle; None on the others.
+        """
+        return self._refit.pack_weights_for_ipc()
+
+    def shm_refit_layout(self) -> Any:
+        """The stream layout for ``write_weights_to_shm``, or None where the ranks cannot
+        write one same-node buffer (weights on GPU, or ranks on several nodes).
+
+        Every rank must call it (the first call asks the ranks for their hosts).
+
+        Returns:
+            The ``Layout``, or None.
+        """
+        return self._refit.shm_refit_layout()
+
+    def write_weights_to_shm(self, path: str, live: Iterable[str] = ()) -> Any:
+        """Every rank copies its own rows of every parameter into the shared buffer ``path``
+        (a same-node segment another process made, e.g. a ``WeightSender``'s
+        ``reserve_shared_buffer``): no gather, no collective beyond a final barrier.
+
+        Mappings are kept for the next call; those of buffers neither ``path`` nor in
+        ``live`` (retired by their owner) are dropped. Every rank must call it; rank 0
+        returns the stream layout once every rank has written, the others None.
+
+        Args:
+            path: the shared buffer.
+            live: other buffers whose mappings to keep.
+
+        Returns:
+            On rank 0, the stream ``Layout``; None on the others.
+
+        Raises:
+            ValueError: the buffer is smaller than the weights.
+        """
+        return self._refit.write_weights_to_shm(path, live)
+
+    def prepare_info_for_collective(self) -> dict[str, Any]:
+        """The stream layout and bucket size a collective refit uses (every rank calls).
+
+        Returns:
+            ``{"layout": ..., "bucket_bytes": ...}``.
+        """
+        return self._refit.prepare_info_for_collective()
+
+    def init_collective(self, ip: str, port: int, world_size: int) -> None:
+        """Create the refit process group as its rank 0 (on policy rank 0; receivers join
+        as ranks 1..world_size-1). Gloo on CPU, NCCL on GPU.
+
+        Args:
+            ip: the address of the process group's store.
+            port: its port.
+            world_size: the process group's size (this rank and the receivers).
+        """
+        self._refit.init_collective(ip, port, world_size)
+
+    def broadcast_weights_for_collective(self) -> None:
+        """Gather the full weights (all policy ranks) and broadcast them from rank 0."""
+        self._refit.broadcast_weights_for_collective()
+
+    def release_refit_buffers(self) -> None:
+        """Drop the weights held for IPC handles (receivers have copied them)."""
+        self._refit.release_refit_buffers()
+
+    # ------------------------------------------------------------------ memory moves
+    def move_optimizer_to_device(self, device: str | torch.device) -> None:
+        """Move every optimizer state tensor to ``device`` (no-op without an optimizer).
+
+        Args:
+            device: the target device.
+        """
+        move_optimizer_to_device(self.optimizer, device)
+
+    def move_to_device(self, model: torch.nn.Module, device: str | torch.device) -> torch.nn.Module:
+        """Move parameters and buffers of ``model`` to ``device``.
+
+        Args:
+            model: the model.
+            device: the target device.
+
+        Returns:
+            The model.
+        """
+        return move_to_device(model, device)
+
+    def move_buffer_to_device(
+        self, model: torch.nn.Module, device: str | torch.device
+    ) -> torch.nn.Module:
+        """Move only the buffers (FSDP2 shards parameters, not buffers).
+
+        Args:
+            model: the model.
+            device: the target device.
+
+        Returns:
+            The model.
+        """
+        return move_buffer_to_device(model, device)
+
+    def move_to_cuda(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move ``model`` to the GPU.
+
+        Args:
+            model: the model.
+
+        Returns:
+            The model.
+
+        Raises:
+            RuntimeError: CUDA is not available.
+        """
+        return move_to_cuda(model)
+
+    def move_to_cpu(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Move ``model`` to the CPU and free the device's cache.
+
+        Args:
+            model: the model.
+
+        Returns:
+            The model.
+        """
+        return move_to_cpu(model)
+
+    def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None:
+        """Model on its device in eval mode; optimizer state off the device unless
+        ``keep_train_buffers`` (or ``offload_optimizer_for_logprob`` is False).
+
+        Args:
+            keep_train_buffers: keep the optimizer state on the device.
+        """
+        self._offload.prepare_for_lp_inference(keep_train_buffers)
+
+    def prepare_for_training(self, *args: Any, **kwargs: Any) -> None:
+        """Model and optimizer state on the device, model in train mode.
+
+        Args:
+            *args, **kwargs: accepted for NeMo-RL's signature.
+        """
+        self._offload.prepare_for_training()
+
+    def offload_before_refit(self) -> None:
+        """Move optimizer state to CPU to make room for refit buffers."""
+        self._offload.offload_before_refit()
+
+    def offload_after_refit(self) -> None:
+        """Free the held refit buffers and move the model to CPU (until training resumes)."""
+        self._offload.offload_after_refit()
+
+    def finish_inference(self) -> None:
+        """NeMo-RL's end of an inference phase (PPO): the model goes to host memory."""
+        self._offload.finish_inference()
+
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(
         self,
@@ -749,8 +984,8 @@ class DTensorPolicyWorker(RefitSource, OffloadMixin, DeviceInfoMixin, Worker):
         Returns:
             True.
         """
-        self._close_profiler()
-        self._close_refit()
+        self._device_info.close()
+        self._refit.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         return True

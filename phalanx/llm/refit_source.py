@@ -2,9 +2,8 @@
 for generation workers (NeMo-RL's IPC and collective refit methods).
 
 Built on the weight-sync layer (``phalanx.weights``): its stream layout, shared-memory
-segments, CUDA IPC handles and bucketed collective broadcast. ``RefitSource`` is mixed
-into ``DTensorPolicyWorker``; the host class provides ``model``, ``cfg``, ``dtype``,
-``device``, ``rank`` and ``report_device_id()``. Refit reads the weights from
+segments, CUDA IPC handles and bucketed collective broadcast. ``DTensorPolicyWorker``
+holds one ``RefitSource`` and its refit methods call it. Refit reads the weights from
 ``_refit_state()`` (gathered or written shard by shard; with LoRA, adapters merged).
 """
 
@@ -12,7 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -25,14 +24,44 @@ PG_TIMEOUT_S = 300.0
 
 
 class RefitSource:
-    """Refit methods and the buffers they keep between refits."""
+    """One policy rank's refit methods and the buffers they keep between refits.
 
-    model: torch.nn.Module
-    peft_model: Any  # the peft.PeftModel over ``model`` with LoRA, else None
-    cfg: dict[str, Any]
-    dtype: torch.dtype
-    device: torch.device
-    rank: int
+    Args:
+        model: the rank's (FSDP2-sharded) model.
+        peft_model: the ``peft.PeftModel`` over ``model`` with LoRA, else None.
+        cfg: the policy config (its refit buffer size).
+        dtype: the dtype the weights are sent in (the policy's precision).
+        device: the rank's device.
+        rank: the rank among the policy's ranks.
+        device_id: gives the id of the rank's device, as the IPC handles are keyed.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        peft_model: Any,
+        cfg: dict[str, Any],
+        dtype: torch.dtype,
+        device: torch.device,
+        rank: int,
+        device_id: Callable[[], str],
+    ) -> None:
+        self.model = model
+        self.peft_model = peft_model
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.rank = rank
+        self._device_id = device_id
+        self._held_refit: dict[str, torch.Tensor] | None = None
+        self._ipc_buffers: list[torch.Tensor] = []
+        self._shm_segment: Any = None
+        self._refit_segment: Any = None
+        self._refit_layout: tuple[Any, Any] | None = None
+        self._one_node: bool | None = None
+        self._refit_maps: dict[str, Any] = {}  # name -> mapped buffer (write_weights_to_shm)
+        self._refit_store: Any = None
+        self.model_update_group: Any = None  # the collective refit's process group
 
     def _refit_state(self, merged: bool = True) -> dict[str, torch.Tensor]:
         """The weights a refit sends, as this rank holds them: the model's state dict, or
@@ -48,22 +77,12 @@ class RefitSource:
         them before the next step, so an unsharded tensor is returned as is, not copied."""
         return {k: whole_tensor(v).detach() for k, v in self._refit_state().items()}
 
-    def _init_refit_state(self) -> None:
-        self._held_refit: dict[str, torch.Tensor] | None = None
-        self._ipc_buffers: list[torch.Tensor] = []
-        self._shm_segment: Any = None
-        self._refit_segment: Any = None
-        self._refit_layout: tuple[Any, Any] | None = None
-        self._one_node: bool | None = None
-        self._refit_maps: dict[str, Any] = {}  # name -> mapped buffer (write_weights_to_shm)
-        self.model_update_group: Any = None
-
     def release_refit_buffers(self) -> None:
         """Drop the weights held for IPC handles (receivers have copied them)."""
         self._held_refit = None
         self._ipc_buffers = []
 
-    def _close_refit(self) -> None:
+    def close(self) -> None:
         """Release every refit buffer and unlink the segments this rank created."""
         self.release_refit_buffers()
         for seg in (self._shm_segment, self._refit_segment):
@@ -74,12 +93,7 @@ class RefitSource:
 
     @torch.no_grad()
     def prepare_refit_info(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
-        """``{name: (full shape, refit dtype)}`` of the weights a refit sends (NeMo-RL's
-        ``prepare_refit_info``; the dtype is the policy's precision).
-
-        Returns:
-            A dict from parameter name to ``(shape, dtype)``.
-        """
+        """``{name: (full shape, refit dtype)}`` of the weights a refit sends."""
         return {k: (v.shape, self.dtype) for k, v in self._refit_state(merged=False).items()}
 
     def _refit_bucket_bytes(self) -> int:
@@ -90,14 +104,7 @@ class RefitSource:
         return check_sizes(self.cfg.get("refit_buffer_size_mb", 64))
 
     def prepare_weights_for_ipc(self) -> tuple[list[tuple[str, int]], float]:
-        """Gather the full weights and hold them for ``get_weights_ipc_handles``.
-
-        Every rank must call it. Returns ``[(name, nbytes)]`` (at the refit dtype, the
-        policy's precision) and the bytes of device memory free for refit buffers.
-
-        Returns:
-            ``([(name, nbytes), ...], free bytes)``.
-        """
+        """Gather the full weights and hold them; ``([(name, nbytes)], free bytes)``."""
         self._held_refit = self._full_refit_state()
         item = torch.empty((), dtype=self.dtype).element_size()
         info = [(k, v.numel() * item) for k, v in self._held_refit.items()]
@@ -110,22 +117,7 @@ class RefitSource:
         return info, float(free)
 
     def get_weights_ipc_handles(self, keys: Iterable[str]) -> dict[str, Any]:
-        """Same-node handles to the held weights ``keys``: ``{device_id: handle}``.
-
-        On GPU the weights are packed into one CUDA buffer and its CUDA IPC handle is
-        returned; on CPU they are packed into a shared-memory segment (kept and reused
-        across refits) and its name is returned. The handle carries the stream layout.
-
-        Args:
-            keys: the parameter names.
-
-        Returns:
-            A dict from device id to its handle.
-
-        Raises:
-            RuntimeError: ``prepare_weights_for_ipc`` was not called.
-            KeyError: a name is not held.
-        """
+        """``{device_id: handle}`` to the held weights ``keys`` (CUDA IPC or shared memory)."""
         from phalanx.weights import gather
 
         if self._held_refit is None:
@@ -146,21 +138,10 @@ class RefitSource:
 
             self._shm_segment = pack_to_shm(layout, sources, self._shm_segment)
             handle = {"kind": "shm", "layout": layout, "name": self._shm_segment.name}
-        return {self.report_device_id(): handle}
+        return {self._device_id(): handle}
 
     def pack_weights_for_ipc(self) -> dict[str, Any] | None:
-        """``prepare_weights_for_ipc`` + ``get_weights_ipc_handles`` in one call, cheaper.
-
-        Every rank must call it; rank 0 returns the handles, once the weights are in place.
-        On CPU, when all policy ranks
-        share a node, each rank copies its own rows of every parameter into one
-        shared-memory segment (kept across refits; no gather, no collective after the
-        first call), so the cost is one parallel copy of the weights. Otherwise the full
-        weights are gathered and packed by rank 0, as NeMo-RL's two methods do.
-
-        Returns:
-            On rank 0, a dict from device id to its handle; None on the others.
-        """
+        """Write the weights into a same-node buffer; rank 0 returns the handles."""
         if self.device.type == "cuda" or not self._policy_on_one_node():
             info, _ = self.prepare_weights_for_ipc()
             return self.get_weights_ipc_handles([k for k, _ in info]) if self.rank == 0 else None
@@ -172,7 +153,7 @@ class RefitSource:
         dist.barrier()  # rank 0 returns once every rank has written: receivers may read
         if self.rank != 0:
             return None
-        return {self.report_device_id(): {"kind": "shm", "layout": layout, "name": segment.name}}
+        return {self._device_id(): {"kind": "shm", "layout": layout, "name": segment.name}}
 
     def _stream_state(self) -> tuple[dict[str, torch.Tensor], Any]:
         """The (resharded) state dict and its full-tensor stream layout, cached by shapes."""
@@ -185,37 +166,13 @@ class RefitSource:
         return state, self._refit_layout[1]
 
     def shm_refit_layout(self) -> Any:
-        """The stream layout for ``write_weights_to_shm``, or None where the ranks cannot
-        write one same-node buffer (weights on GPU, or ranks on several nodes).
-
-        Every rank must call it (the first call asks the ranks for their hosts).
-
-        Returns:
-            The ``Layout``, or None.
-        """
+        """The stream layout for ``write_weights_to_shm`` (None where it cannot be used)."""
         if self.device.type == "cuda" or not self._policy_on_one_node():
             return None
         return self._stream_state()[1]
 
     def write_weights_to_shm(self, path: str, live: Iterable[str] = ()) -> Any:
-        """Every rank copies its own rows of every parameter into the shared buffer ``path``
-        (a same-node segment another process made, e.g. a ``WeightSender``'s
-        ``reserve_shared_buffer``): no gather, no collective beyond a final barrier.
-
-        Mappings are kept for the next call; those of buffers neither ``path`` nor in
-        ``live`` (retired by their owner) are dropped. Every rank must call it; rank 0
-        returns the stream layout once every rank has written, the others None.
-
-        Args:
-            path: the shared buffer.
-            live: other buffers whose mappings to keep.
-
-        Returns:
-            On rank 0, the stream ``Layout``; None on the others.
-
-        Raises:
-            ValueError: the buffer is smaller than the weights.
-        """
+        """Write this rank's rows into the shared buffer ``path``; rank 0 returns the layout."""
         from phalanx.llm.refit_stream import write_shards
         from phalanx.weights import ShmSegment
 
@@ -263,25 +220,14 @@ class RefitSource:
         return seg
 
     def prepare_info_for_collective(self) -> dict[str, Any]:
-        """The stream layout and bucket size a collective refit uses (every rank calls).
-
-        Returns:
-            ``{"layout": ..., "bucket_bytes": ...}``.
-        """
+        """``{"layout": ..., "bucket_bytes": ...}`` of a collective refit."""
         from phalanx.weights import gather
 
         layout, _ = gather(self._full_refit_state(), dtype=self.dtype)
         return {"layout": layout, "bucket_bytes": self._refit_bucket_bytes()}
 
     def init_collective(self, ip: str, port: int, world_size: int) -> None:
-        """Create the refit process group as its rank 0 (on policy rank 0; receivers join
-        as ranks 1..world_size-1). Gloo on CPU, NCCL on GPU.
-
-        Args:
-            ip: the address of the process group's store.
-            port: its port.
-            world_size: the process group's size (this rank and the receivers).
-        """
+        """Create the refit process group as its rank 0 (on policy rank 0 only)."""
         if self.rank != 0:
             return
         from phalanx.comm.process_group import host_store
