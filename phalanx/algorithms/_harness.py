@@ -13,10 +13,13 @@ its workers, the run folder keeps its last checkpoint and metrics.
 from __future__ import annotations
 
 import argparse
+import builtins
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import json
+import os
 import re
 import shutil
 import signal
@@ -213,6 +216,38 @@ def fresh_run_name(prefix: str, runs_dir: str | Path) -> str:
         i += 1
         name = f"{prefix}-{i}"
     return name
+
+
+# ------------------------------------------------------------------ checkpoints
+def checkpoint_write_error(path: str | os.PathLike[str], error: OSError) -> OSError:
+    """The error for a checkpoint at ``path`` that could not be written: ``error``'s errno
+    (``ENOSPC`` for a full disk) and its name in the message, which says that the previous
+    checkpoint is kept (writers replace a checkpoint only once the new one is complete)."""
+    code = (
+        errno.errorcode.get(error.errno, str(error.errno)) if error.errno else type(error).__name__
+    )
+    return OSError(
+        error.errno,
+        f"could not write the checkpoint {path} ({code}: {error.strerror or error}); the "
+        "previous checkpoint is kept",
+    )
+
+
+def os_error_of(error: BaseException) -> OSError | None:
+    """``error`` if it is an ``OSError``, or the ``OSError`` a worker raised (it arrives as
+    a ``WorkerError`` with the error's type name and text); None for anything else."""
+    from phalanx._base.errors import WorkerError
+
+    if isinstance(error, OSError):
+        return error
+    cause = getattr(builtins, getattr(error, "cause_type", ""), None)
+    if not (isinstance(error, WorkerError) and isinstance(cause, type)):
+        return None
+    match = re.match(r"\[Errno (\d+)\] ", error.message)
+    if not issubclass(cause, OSError) or match is None:
+        return None
+    code = int(match.group(1))
+    return OSError(code, os.strerror(code))
 
 
 # ------------------------------------------------------------------ running a command
