@@ -117,7 +117,6 @@ def test_run_command_exits_4_with_one_line_and_a_status(tmp_path, policy, capsys
 
 
 def test_resume_ignores_and_removes_an_unfinished_checkpoint(tmp_path):
-    cfg = _cfg(tmp_path)
     for name, step in (("step_1", 1), ("step_2.tmp", 2)):  # step 2's write was stopped
         (tmp_path / "checkpoints" / name).mkdir(parents=True)
         (tmp_path / "checkpoints" / name / "state.json").write_text(json.dumps({"step": step}))
