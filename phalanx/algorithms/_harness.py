@@ -234,12 +234,14 @@ def checkpoint_write_error(path: str | os.PathLike[str], error: OSError) -> OSEr
 
 
 def os_error_of(error: BaseException) -> OSError | None:
-    """``error`` if it is an ``OSError``, or the ``OSError`` a worker raised (it arrives as
-    a ``WorkerError`` with the error's type name and text); None for anything else."""
+    """``error`` if it is an ``OSError`` with an errno, or the ``OSError`` a worker raised
+    (it arrives as a ``WorkerError`` with the error's type name and text); None for
+    anything else (a ``GroupTimeoutError`` is a ``TimeoutError``, an errno-less
+    ``OSError``: it keeps its own type and hang report)."""
     from phalanx._base.errors import WorkerError
 
     if isinstance(error, OSError):
-        return error
+        return error if error.errno is not None else None
     cause = getattr(builtins, getattr(error, "cause_type", ""), None)
     if not (isinstance(error, WorkerError) and isinstance(cause, type)):
         return None

@@ -124,3 +124,20 @@ def test_resume_ignores_and_removes_an_unfinished_checkpoint(tmp_path):
     _, _, ckpt = start_run(GRPOConfig.tiny(run_dir=str(tmp_path), resume=True))
     assert ckpt == str(tmp_path / "checkpoints" / "step_1")
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_1"]
+
+
+def test_only_errors_with_an_errno_are_read_as_a_failed_write():
+    from phalanx._base.errors import GroupTimeoutError, WorkerError
+
+    def worker_error(cause_type: str, message: str) -> WorkerError:
+        return WorkerError("g", 1, "save_checkpoint", "Traceback ...", cause_type, message)
+
+    full = harness.os_error_of(worker_error("OSError", "[Errno 28] No space left on device: 'x'"))
+    assert (type(full), full.errno, full.strerror) == (OSError, 28, "No space left on device")
+    denied = harness.os_error_of(worker_error("PermissionError", "[Errno 13] Permission denied"))
+    assert (denied.errno, denied.strerror) == (13, "Permission denied")
+    assert harness.os_error_of(worker_error("ValueError", "[Errno 28] looks like one")) is None
+    assert harness.os_error_of(worker_error("OSError", "no errno")) is None
+    assert harness.os_error_of(GroupTimeoutError("g", "save_checkpoint", [1], 5.0)) is None
+    own = OSError(errno.ENOSPC, "No space left on device")
+    assert harness.os_error_of(own) is own
