@@ -82,10 +82,12 @@ def shutdown_once(workdir: str, limit_s: float) -> tuple[int | None, str]:
 
 def ctrl_c_once(workdir: str, at_s: float, exit_within_s: float) -> tuple[int, str]:
     """Start the PPO command, SIGINT it ``at_s`` seconds later; (exit status, what was
-    wrong: a late exit or processes left behind, else empty)."""
+    wrong: a late exit or processes left behind, else empty). A failed run's last stderr
+    lines are printed."""
+    errfile = open(os.path.join(workdir, "stderr.txt"), "w+")  # noqa: SIM115 - read below
     proc = subprocess.Popen(
         [sys.executable, "-m", "phalanx.cli", *PPO, "--runs-dir", workdir, "--no-progress"],
-        cwd=workdir, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        cwd=workdir, env=_env(), stdout=subprocess.DEVNULL, stderr=errfile,
         text=True, start_new_session=True,
     )  # fmt: skip
     try:
@@ -114,7 +116,10 @@ def ctrl_c_once(workdir: str, at_s: float, exit_within_s: float) -> tuple[int, s
         problem += f" {len(left)} processes left"
         for p in left:
             os.kill(p, signal.SIGKILL)
-    proc.stderr.close()
+    if problem or code not in (0, 130):
+        errfile.seek(0)
+        print("".join(errfile.readlines()[-30:]), flush=True)
+    errfile.close()
     return code, problem.strip()
 
 
@@ -125,7 +130,11 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=10.0, help="ctrl-c: latest signal (s)")
     parser.add_argument("--exit-within", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--at", type=float, default=None, help="ctrl-c: signal at this second")
     args = parser.parse_args()
+    # A campaign started in the background inherits an ignored SIGINT (shells do that);
+    # its commands must not, or the signal would be lost before they install a handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rng = random.Random(args.seed)
     t0, load0 = time.monotonic(), os.getloadavg()
     codes: collections.Counter[int | None] = collections.Counter()
@@ -137,7 +146,7 @@ def main() -> int:
                 ok = code == 0
                 note = "" if ok else note
             else:
-                at = rng.uniform(0.0, args.window)
+                at = rng.uniform(0.0, args.window) if args.at is None else args.at
                 code, note = ctrl_c_once(workdir, at, args.exit_within)
                 note = f"SIGINT at {at:.1f} s" + (f": {note}" if note else "")
                 ok = code in (0, 130) and ":" not in note
