@@ -93,6 +93,17 @@ def in_background(name: str, fn: Callable[..., R], *args: Any) -> concurrent.fut
     return fut
 
 
+def result_of(fut: concurrent.futures.Future[R]) -> R:
+    """``fut.result()``, waited for in short slices so that SIGINT and SIGTERM stop the
+    wait: the kernel may hand a signal to any thread, and Python runs its handler only
+    when the main thread next runs Python code, which an untimed wait never does."""
+    while True:
+        try:
+            return fut.result(timeout=0.1)
+        except concurrent.futures.TimeoutError:
+            continue
+
+
 # ------------------------------------------------------------------ flags and config files
 def alias(*spellings: str) -> Any:
     """Extra command-line spellings of a config field (``--lr`` for ``--learning-rate``)."""

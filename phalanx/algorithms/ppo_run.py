@@ -235,7 +235,7 @@ def start_run(
                 name=f"ppo_{cfg.name}_{os.getpid()}",
             )
         with times.phase("waiting for learner init"):
-            learner = learner_future.result()
+            learner = harness.result_of(learner_future)
         import torch  # imported by the learner's thread by now
 
         # The count is kept per thread (OpenMP, MKL): the learner was built on the start-up

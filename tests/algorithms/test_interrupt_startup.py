@@ -83,3 +83,43 @@ def test_ctrl_c_while_the_learner_thread_is_stuck_in_an_import(tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "phalanx train ppo: interrupted by SIGINT" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "r").exists()  # nothing was written: no folder left
+
+
+class _Stop(Exception):
+    """What the test's SIGINT handler raises (a KeyboardInterrupt would stop pytest)."""
+
+
+@pytest.mark.timeout(30)
+def test_a_signal_handed_to_another_thread_stops_the_wait_for_start_up_work():
+    import concurrent.futures
+    import signal
+    import threading
+    import time
+
+    from phalanx.algorithms._harness import result_of
+
+    def handler(signum, frame):
+        raise _Stop
+
+    never: concurrent.futures.Future[int] = concurrent.futures.Future()
+    stopped = threading.Event()
+    outlasted: list[bool] = []
+
+    def signal_this_thread() -> None:  # as when the kernel picks a thread other than main
+        deadline = time.monotonic() + 10
+        while not never._condition._waiters and time.monotonic() < deadline:
+            stopped.wait(0.01)  # poll until the main thread waits on the future
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        if not stopped.wait(10):  # an untimed wait would still be waiting: end it
+            never.set_result(0)
+            outlasted.append(True)
+
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        threading.Thread(target=signal_this_thread, daemon=True).start()
+        with pytest.raises(_Stop):
+            result_of(never)
+        assert outlasted == []  # the signal stopped the wait, not the future's result
+    finally:
+        stopped.set()
+        signal.signal(signal.SIGINT, old)
