@@ -93,11 +93,21 @@ def in_background(name: str, fn: Callable[..., R], *args: Any) -> concurrent.fut
     return fut
 
 
+# SIGINT/SIGTERM received during run_command. The handler's exception is lost when the
+# signal lands in a finalizer or weakref callback (Python prints "Exception ignored"),
+# e.g. the import system's, which can also leave the import lock held by the main thread;
+# waits in the main thread read this list so that such a signal still stops the run.
+_signalled: list[int] = []
+
+
 def result_of(fut: concurrent.futures.Future[R]) -> R:
     """``fut.result()``, waited for in short slices so that SIGINT and SIGTERM stop the
     wait: the kernel may hand a signal to any thread, and Python runs its handler only
-    when the main thread next runs Python code, which an untimed wait never does."""
+    when the main thread next runs Python code, which an untimed wait never does. A
+    signal whose exception was lost (see ``_signalled``) raises :class:`Interrupted` here."""
     while True:
+        if _signalled:
+            raise Interrupted(_signalled[-1])
         try:
             return fut.result(timeout=0.1)
         except concurrent.futures.TimeoutError:
@@ -295,17 +305,20 @@ def _signals_interrupt(received: list[int]) -> Iterator[None]:
 
     def handler(signum: int, frame: Any) -> None:
         received.append(signum)
+        _signalled.append(signum)
         raise Interrupted(signum)
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _signalled.clear()
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+        _signalled.clear()
 
 
 def bad_input(prog: str, error: BaseException, config_cls: type) -> int:

@@ -123,3 +123,44 @@ def test_a_signal_handed_to_another_thread_stops_the_wait_for_start_up_work():
     finally:
         stopped.set()
         signal.signal(signal.SIGINT, old)
+
+
+class _SignalledWhileDropped:
+    """Sends SIGINT to its own process from ``__del__``: the handler runs there and Python
+    drops its exception ("Exception ignored"), as in the import system's weakref callback."""
+
+    def __del__(self) -> None:
+        import signal
+
+        signal.raise_signal(signal.SIGINT)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the lost one
+def test_a_signal_whose_exception_was_lost_still_stops_the_run(tmp_path, capsys):
+    import concurrent.futures
+    import threading
+
+    from phalanx.algorithms import _harness as harness
+    from phalanx.algorithms.ppo_config import PPOConfig
+
+    learner: concurrent.futures.Future[int] = concurrent.futures.Future()
+    stopped = threading.Event()
+
+    def end_the_wait() -> None:  # without the fix the wait would outlast the run
+        if not stopped.wait(10):
+            learner.set_result(0)
+
+    def body() -> int:
+        _SignalledWhileDropped()  # dropped at once
+        harness.result_of(learner)
+        return harness.DONE
+
+    threading.Thread(target=end_the_wait, daemon=True).start()
+    try:
+        code = harness.run_command("p", PPOConfig, tmp_path / "run", body)
+    finally:
+        stopped.set()
+    assert code == harness.SIGINT_EXIT
+    err = capsys.readouterr().err
+    assert "p: interrupted by SIGINT\np: nothing was written\n" in err
