@@ -295,6 +295,17 @@ def tracing(enabled: bool, run_dir: Path) -> Iterator[None]:
             path.unlink()
 
 
+def _inside_import(frame: Any) -> bool:
+    """Whether ``frame`` runs inside Python's import system: an exception raised there can
+    leave the import lock held (a module lock's weakref callback drops it, too), so the
+    signal is sent again to the main thread shortly instead."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextlib.contextmanager
 def _signals_interrupt(received: list[int]) -> Iterator[None]:
     """SIGINT and SIGTERM raise :class:`Interrupted` in the main thread and are appended to
@@ -304,6 +315,12 @@ def _signals_interrupt(received: list[int]) -> Iterator[None]:
     its own SIGTERM handler, which raises ``SystemExit(15)``: handled as SIGTERM too.)"""
 
     def handler(signum: int, frame: Any) -> None:
+        if _inside_import(frame):  # raised here, it could be dropped with the lock held
+            main = threading.main_thread().ident
+            later = threading.Timer(0.05, signal.pthread_kill, (main, signum))
+            later.daemon = True
+            later.start()
+            return
         received.append(signum)
         _signalled.append(signum)
         raise Interrupted(signum)

@@ -164,3 +164,49 @@ def test_a_signal_whose_exception_was_lost_still_stops_the_run(tmp_path, capsys)
     assert code == harness.SIGINT_EXIT
     err = capsys.readouterr().err
     assert "p: interrupted by SIGINT\np: nothing was written\n" in err
+
+
+class _SigintWhileImported:
+    """An import finder for ``phalanx_test_interrupted``: its module sends SIGINT to this
+    process halfway through being executed, then finishes."""
+
+    def find_spec(self, name, path=None, target=None):
+        import importlib.util
+
+        if name != "phalanx_test_interrupted":
+            return None
+        return importlib.util.spec_from_loader(name, self)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module) -> None:
+        import signal
+
+        signal.raise_signal(signal.SIGINT)
+        module.finished = True
+
+
+@pytest.mark.timeout(30)
+def test_a_signal_inside_an_import_stops_the_run_once_the_import_is_done(tmp_path, capsys):
+    import concurrent.futures
+
+    from phalanx.algorithms import _harness as harness
+    from phalanx.algorithms.ppo_config import PPOConfig
+
+    def body() -> int:
+        import phalanx_test_interrupted  # noqa: F401
+
+        harness.result_of(concurrent.futures.Future())  # stopped by the signal, sent again
+        return harness.DONE
+
+    finder = _SigintWhileImported()
+    sys.meta_path.insert(0, finder)
+    try:
+        code = harness.run_command("p", PPOConfig, tmp_path / "run", body)
+        assert code == harness.SIGINT_EXIT
+        assert sys.modules["phalanx_test_interrupted"].finished is True
+    finally:
+        sys.meta_path.remove(finder)
+        sys.modules.pop("phalanx_test_interrupted", None)
+    assert "p: interrupted by SIGINT\n" in capsys.readouterr().err
