@@ -295,15 +295,26 @@ def tracing(enabled: bool, run_dir: Path) -> Iterator[None]:
             path.unlink()
 
 
-def _inside_import(frame: Any) -> bool:
-    """Whether ``frame`` runs inside Python's import system: an exception raised there can
-    leave the import lock held (a module lock's weakref callback drops it, too), so the
-    signal is sent again to the main thread shortly instead."""
+def _unsafe_to_raise(frame: Any) -> bool:
+    """Whether raising an interrupt in ``frame`` (the code the signal stopped) could break
+    Python's own locking: inside the import system (a module lock's weakref callback
+    drops the exception and leaves the import lock held) or inside logging (its at-fork
+    hook ``_releaseLock`` drops it and leaves the logging lock held); another thread then
+    waits for that lock forever. The signal is sent to the main thread again shortly."""
+    if frame is not None and frame.f_code.co_filename == _logging_file():
+        return True
     while frame is not None:
         if frame.f_code.co_filename.startswith("<frozen importlib"):
             return True
         frame = frame.f_back
     return False
+
+
+def _logging_file() -> str:
+    """The file of the standard library's ``logging`` package."""
+    import logging
+
+    return logging.__file__ or ""
 
 
 @contextlib.contextmanager
@@ -315,9 +326,8 @@ def _signals_interrupt(received: list[int]) -> Iterator[None]:
     its own SIGTERM handler, which raises ``SystemExit(15)``: handled as SIGTERM too.)"""
 
     def handler(signum: int, frame: Any) -> None:
-        if _inside_import(frame):  # raised here, it could be dropped with the lock held
-            main = threading.main_thread().ident
-            later = threading.Timer(0.05, signal.pthread_kill, (main, signum))
+        if _unsafe_to_raise(frame):
+            later = threading.Timer(0.05, resend, (signum,))
             later.daemon = True
             later.start()
             return
@@ -325,14 +335,20 @@ def _signals_interrupt(received: list[int]) -> Iterator[None]:
         _signalled.append(signum)
         raise Interrupted(signum)
 
+    def resend(signum: int) -> None:
+        if active:  # only to this handler, never to the one restored after the run
+            signal.pthread_kill(threading.main_thread().ident or 0, signum)
+
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    active = [True]
     _signalled.clear()
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
+        active.clear()
         for s, h in old.items():
             signal.signal(s, h)
         _signalled.clear()
