@@ -11,7 +11,10 @@ seconds is killed and counted as a hang).
 random moment in its first ``--window`` seconds; every run must exit 130 (or 0 if it had
 finished) within ``--exit-within`` seconds of the signal, leaving none of its processes.
 
-Prints one line per run, then a ``RESULT`` record with the counts of exit statuses.
+Prints one line per run (a run that does not exit is preceded by the Python stacks of
+its process, from ``py-spy dump`` where py-spy is installed), then a ``RESULT`` record
+with the counts of exit statuses, the campaign's seconds and the load averages at its
+start and end.
 
     python benchmarks/exit_campaign.py shutdown --runs 100
     python benchmarks/exit_campaign.py ctrl-c --runs 30 --window 10
@@ -46,6 +49,17 @@ def _env() -> dict[str, str]:
     return env
 
 
+def print_stacks(pid: int) -> None:
+    """Print the Python stacks of process ``pid`` (py-spy), or why they are missing."""
+    try:
+        dump = subprocess.run(
+            ["py-spy", "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30
+        )
+        print(dump.stdout or dump.stderr, flush=True)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"no stacks of process {pid}: {e}", flush=True)
+
+
 def shutdown_once(workdir: str, limit_s: float) -> tuple[int | None, str]:
     """One run of the script; (exit status, or None when it did not exit within
     ``limit_s``; the last stage it printed and the last line of its stderr)."""
@@ -57,6 +71,7 @@ def shutdown_once(workdir: str, limit_s: float) -> tuple[int | None, str]:
         out, err = proc.communicate(timeout=limit_s)
         code: int | None = proc.returncode
     except subprocess.TimeoutExpired:
+        print_stacks(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
         code = None
@@ -67,10 +82,12 @@ def shutdown_once(workdir: str, limit_s: float) -> tuple[int | None, str]:
 
 def ctrl_c_once(workdir: str, at_s: float, exit_within_s: float) -> tuple[int, str]:
     """Start the PPO command, SIGINT it ``at_s`` seconds later; (exit status, what was
-    wrong: a late exit or processes left behind, else empty)."""
+    wrong: a late exit or processes left behind, else empty). A failed run's last stderr
+    lines are printed."""
+    errfile = open(os.path.join(workdir, "stderr.txt"), "w+")  # noqa: SIM115 - read below
     proc = subprocess.Popen(
         [sys.executable, "-m", "phalanx.cli", *PPO, "--runs-dir", workdir, "--no-progress"],
-        cwd=workdir, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        cwd=workdir, env=_env(), stdout=subprocess.DEVNULL, stderr=errfile,
         text=True, start_new_session=True,
     )  # fmt: skip
     try:
@@ -86,6 +103,7 @@ def ctrl_c_once(workdir: str, at_s: float, exit_within_s: float) -> tuple[int, s
         code = proc.wait(timeout=exit_within_s)
     except subprocess.TimeoutExpired:
         problem = f"no exit within {exit_within_s:g} s of SIGINT"
+        print_stacks(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         code = proc.wait(timeout=30)
     deadline = time.monotonic() + 15
@@ -98,7 +116,10 @@ def ctrl_c_once(workdir: str, at_s: float, exit_within_s: float) -> tuple[int, s
         problem += f" {len(left)} processes left"
         for p in left:
             os.kill(p, signal.SIGKILL)
-    proc.stderr.close()
+    if problem or code not in (0, 130):
+        errfile.seek(0)
+        print("".join(errfile.readlines()[-30:]), flush=True)
+    errfile.close()
     return code, problem.strip()
 
 
@@ -109,8 +130,13 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=10.0, help="ctrl-c: latest signal (s)")
     parser.add_argument("--exit-within", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--at", type=float, default=None, help="ctrl-c: signal at this second")
     args = parser.parse_args()
+    # A campaign started in the background inherits an ignored SIGINT (shells do that);
+    # its commands must not, or the signal would be lost before they install a handler.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rng = random.Random(args.seed)
+    t0, load0 = time.monotonic(), os.getloadavg()
     codes: collections.Counter[int | None] = collections.Counter()
     bad = 0
     for i in range(args.runs):
@@ -120,7 +146,7 @@ def main() -> int:
                 ok = code == 0
                 note = "" if ok else note
             else:
-                at = rng.uniform(0.0, args.window)
+                at = rng.uniform(0.0, args.window) if args.at is None else args.at
                 code, note = ctrl_c_once(workdir, at, args.exit_within)
                 note = f"SIGINT at {at:.1f} s" + (f": {note}" if note else "")
                 ok = code in (0, 130) and ":" not in note
@@ -128,7 +154,10 @@ def main() -> int:
         bad += not ok
         print(f"run {i + 1}/{args.runs}: exit {code} {'ok' if ok else 'FAILED'} {note}", flush=True)
     print("RESULT " + json.dumps({"mode": args.mode, "runs": args.runs, "failed": bad,
-                                  "exit_codes": {str(k): v for k, v in codes.items()}}))  # fmt: skip
+                                  "exit_codes": {str(k): v for k, v in codes.items()},
+                                  "seconds": round(time.monotonic() - t0),
+                                  "load_start": [round(x, 1) for x in load0],
+                                  "load_end": [round(x, 1) for x in os.getloadavg()]}))  # fmt: skip
     return 1 if bad else 0
 
 

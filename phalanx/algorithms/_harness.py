@@ -13,10 +13,13 @@ its workers, the run folder keeps its last checkpoint and metrics.
 from __future__ import annotations
 
 import argparse
+import builtins
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import json
+import os
 import re
 import shutil
 import signal
@@ -88,6 +91,27 @@ def in_background(name: str, fn: Callable[..., R], *args: Any) -> concurrent.fut
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return fut
+
+
+# SIGINT/SIGTERM received during run_command. The handler's exception is lost when the
+# signal lands in a finalizer or weakref callback (Python prints "Exception ignored"),
+# e.g. the import system's, which can also leave the import lock held by the main thread;
+# waits in the main thread read this list so that such a signal still stops the run.
+_signalled: list[int] = []
+
+
+def result_of(fut: concurrent.futures.Future[R]) -> R:
+    """``fut.result()``, waited for in short slices so that SIGINT and SIGTERM stop the
+    wait: the kernel may hand a signal to any thread, and Python runs its handler only
+    when the main thread next runs Python code, which an untimed wait never does. A
+    signal whose exception was lost (see ``_signalled``) raises :class:`Interrupted` here."""
+    while True:
+        if _signalled:
+            raise Interrupted(_signalled[-1])
+        try:
+            return fut.result(timeout=0.1)
+        except concurrent.futures.TimeoutError:
+            continue
 
 
 # ------------------------------------------------------------------ flags and config files
@@ -215,6 +239,40 @@ def fresh_run_name(prefix: str, runs_dir: str | Path) -> str:
     return name
 
 
+# ------------------------------------------------------------------ checkpoints
+def checkpoint_write_error(path: str | os.PathLike[str], error: OSError) -> OSError:
+    """The error for a checkpoint at ``path`` that could not be written: ``error``'s errno
+    (``ENOSPC`` for a full disk) and its name in the message, which says that the previous
+    checkpoint is kept (writers replace a checkpoint only once the new one is complete)."""
+    code = (
+        errno.errorcode.get(error.errno, str(error.errno)) if error.errno else type(error).__name__
+    )
+    return OSError(
+        error.errno,
+        f"could not write the checkpoint {path} ({code}: {error.strerror or error}); the "
+        "previous checkpoint is kept",
+    )
+
+
+def os_error_of(error: BaseException) -> OSError | None:
+    """``error`` if it is an ``OSError`` with an errno, or the ``OSError`` a worker raised
+    (it arrives as a ``WorkerError`` with the error's type name and text); None for
+    anything else (a ``GroupTimeoutError`` is a ``TimeoutError``, an errno-less
+    ``OSError``: it keeps its own type and hang report)."""
+    from phalanx._base.errors import WorkerError
+
+    if isinstance(error, OSError):
+        return error if error.errno is not None else None
+    cause = getattr(builtins, getattr(error, "cause_type", ""), None)
+    if not (isinstance(error, WorkerError) and isinstance(cause, type)):
+        return None
+    match = re.match(r"\[Errno (\d+)\] ", error.message)
+    if not issubclass(cause, OSError) or match is None:
+        return None
+    code = int(match.group(1))
+    return OSError(code, os.strerror(code))
+
+
 # ------------------------------------------------------------------ running a command
 @contextlib.contextmanager
 def tracing(enabled: bool, run_dir: Path) -> Iterator[None]:
@@ -237,6 +295,28 @@ def tracing(enabled: bool, run_dir: Path) -> Iterator[None]:
             path.unlink()
 
 
+def _unsafe_to_raise(frame: Any) -> bool:
+    """Whether raising an interrupt in ``frame`` (the code the signal stopped) could break
+    Python's own locking: inside the import system (a module lock's weakref callback
+    drops the exception and leaves the import lock held) or inside logging (its at-fork
+    hook ``_releaseLock`` drops it and leaves the logging lock held); another thread then
+    waits for that lock forever. The signal is sent to the main thread again shortly."""
+    if frame is not None and frame.f_code.co_filename == _logging_file():
+        return True
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _logging_file() -> str:
+    """The file of the standard library's ``logging`` package."""
+    import logging
+
+    return logging.__file__ or ""
+
+
 @contextlib.contextmanager
 def _signals_interrupt(received: list[int]) -> Iterator[None]:
     """SIGINT and SIGTERM raise :class:`Interrupted` in the main thread and are appended to
@@ -246,18 +326,32 @@ def _signals_interrupt(received: list[int]) -> Iterator[None]:
     its own SIGTERM handler, which raises ``SystemExit(15)``: handled as SIGTERM too.)"""
 
     def handler(signum: int, frame: Any) -> None:
+        if _unsafe_to_raise(frame):
+            later = threading.Timer(0.05, resend, (signum,))
+            later.daemon = True
+            later.start()
+            return
         received.append(signum)
+        _signalled.append(signum)
         raise Interrupted(signum)
+
+    def resend(signum: int) -> None:
+        if active:  # only to this handler, never to the one restored after the run
+            signal.pthread_kill(threading.main_thread().ident or 0, signum)
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    active = [True]
+    _signalled.clear()
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
+        active.clear()
         for s, h in old.items():
             signal.signal(s, h)
+        _signalled.clear()
 
 
 def bad_input(prog: str, error: BaseException, config_cls: type) -> int:

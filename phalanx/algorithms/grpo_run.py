@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from phalanx.algorithms import _harness as harness
 from phalanx.algorithms.grpo_async import AsyncRollouts
 from phalanx.algorithms.grpo_config import TINY, GRPOConfig, resolve_run_dir
 from phalanx.algorithms.grpo_group_calls import (
@@ -56,16 +59,30 @@ def derive_max_total_sequence_length(
     return rounded
 
 
+TMP_SUFFIX = ".tmp"  # a checkpoint being written (renamed into place when complete)
+
+
 def latest_checkpoint(run_dir: str) -> str | None:
+    """The newest complete ``checkpoints/step_<n>`` folder of ``run_dir``, or None (a
+    ``step_<n>.tmp`` folder, one whose write did not finish, is not a checkpoint)."""
     root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(root):
         return None
     steps = sorted(
-        (int(d.split("_")[1]), d)
+        (int(d.removeprefix("step_")), d)
         for d in os.listdir(root)
-        if d.startswith("step_") and os.path.exists(os.path.join(root, d, "state.json"))
+        if re.fullmatch(r"step_\d+", d) and os.path.exists(os.path.join(root, d, "state.json"))
     )
     return os.path.join(root, steps[-1][1]) if steps else None
+
+
+def remove_unfinished_checkpoints(run_dir: str) -> None:
+    """Remove the ``checkpoints/*.tmp`` folders of ``run_dir``: writes a stopped run left."""
+    root = os.path.join(run_dir, "checkpoints")
+    if os.path.isdir(root):
+        for d in os.listdir(root):
+            if d.endswith(TMP_SUFFIX):
+                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
 def _save_hf_model(policy, base_dir: str, out_dir: str, tokenizer) -> None:
@@ -130,6 +147,7 @@ def start_run(cfg: GRPOConfig) -> tuple[GRPOConfig, Any, str | None]:
         )
     task = make_task(cfg.task, cfg.seed, cfg.eval_size, cfg.reward, cfg.format_reward)
     os.makedirs(cfg.run_dir, exist_ok=True)
+    remove_unfinished_checkpoints(cfg.run_dir)
     return cfg, task, ckpt
 
 
@@ -494,18 +512,36 @@ class GRPORun:
 
 def save_checkpoint(cfg: GRPOConfig, policy: Any, task: Any, step: int) -> None:
     """Write ``checkpoints/step_<step>``: the policy's weights, optimizer and tokenizer, and
-    the step, the task's and torch's random states and the config (what resuming reads)."""
+    the step, the task's and torch's random states and the config (what resuming reads).
+
+    Written into ``step_<step>.tmp``, then renamed into place, so a checkpoint folder is
+    complete or absent. A write that fails (a full disk, here or on a policy worker)
+    raises ``OSError`` naming the folder and the errno (``ENOSPC``); the previous
+    checkpoints stay and the partial folder is removed.
+    """
     path = os.path.join(cfg.run_dir, "checkpoints", f"step_{step}")
-    policy.save_checkpoint(
-        os.path.join(path, "weights"), os.path.join(path, "optim"), os.path.join(path, "tokenizer")
-    )
-    with open(os.path.join(path, "state.json"), "w") as f:
-        json.dump(
-            {
-                "step": step,
-                "task_rng": task.rng.getstate(),
-                "torch_rng": torch.get_rng_state().tolist(),
-                "config": asdict(cfg),
-            },
-            f,
+    tmp = path + TMP_SUFFIX
+    try:
+        policy.save_checkpoint(
+            os.path.join(tmp, "weights"), os.path.join(tmp, "optim"), os.path.join(tmp, "tokenizer")
         )
+        with open(os.path.join(tmp, "state.json"), "w") as f:
+            json.dump(
+                {
+                    "step": step,
+                    "task_rng": task.rng.getstate(),
+                    "torch_rng": torch.get_rng_state().tolist(),
+                    "config": asdict(cfg),
+                },
+                f,
+            )
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(path, ignore_errors=True)  # an incomplete one of an earlier try
+        os.replace(tmp, path)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        error = harness.os_error_of(e)
+        if error is None:
+            raise
+        raise harness.checkpoint_write_error(path, error) from None

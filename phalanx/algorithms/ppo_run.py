@@ -10,7 +10,6 @@ policy, the optimizer, the observation normaliser and the counters, written atom
 from __future__ import annotations
 
 import contextlib
-import errno
 import io
 import math
 import os
@@ -69,12 +68,7 @@ def save_checkpoint(path: Path, policy: torch.nn.Module, optimizer: torch.optim.
     except OSError as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        code = errno.errorcode.get(e.errno, str(e.errno)) if e.errno else type(e).__name__
-        raise OSError(
-            e.errno,
-            f"could not write the checkpoint {path} ({code}: {e.strerror or e}); the "
-            "previous checkpoint is kept",
-        ) from None
+        raise harness.checkpoint_write_error(path, e) from None
 
 
 _CHECKPOINT_KEYS = ("policy", "optimizer", "connector", "timesteps", "iteration", "episodes",
@@ -241,7 +235,7 @@ def start_run(
                 name=f"ppo_{cfg.name}_{os.getpid()}",
             )
         with times.phase("waiting for learner init"):
-            learner = learner_future.result()
+            learner = harness.result_of(learner_future)
         import torch  # imported by the learner's thread by now
 
         # The count is kept per thread (OpenMP, MKL): the learner was built on the start-up

@@ -38,7 +38,13 @@ from torch.distributed.tensor import DTensor
 
 from phalanx._base.heap import reuse_freed_memory
 from phalanx.data import BatchedDataDict
-from phalanx.llm.checkpoint import load_optimizer, load_sharded, save_optimizer, save_sharded
+from phalanx.llm.checkpoint import (
+    load_optimizer,
+    load_sharded,
+    save_optimizer,
+    save_sharded,
+    write_on_every_rank,
+)
 from phalanx.llm.device_info import DeviceInfo
 from phalanx.llm.fsdp_state import (
     full_state_dict,
@@ -933,6 +939,8 @@ class DTensorPolicyWorker(Worker):
 
         Raises:
             ConfigError: ``checkpointing_cfg`` asks for another format.
+            OSError: a write failed (a full disk: ``ENOSPC``) on any rank; every rank
+                raises it, naming the file or folder.
         """
         fmt = (checkpointing_cfg or {}).get("model_save_format")
         if fmt not in (None, "torch_save"):
@@ -943,11 +951,19 @@ class DTensorPolicyWorker(Worker):
         if self.peft_model is None:
             save_sharded(self.model, self.optimizer, self.scheduler, weights_path, optimizer_path)
         else:  # the adapters in peft's format (rank 0 writes), the optimizer sharded
-            save_adapters(self.peft_model, weights_path, write=self.rank == 0)
+            write_on_every_rank(
+                weights_path,
+                lambda: save_adapters(self.peft_model, weights_path, write=self.rank == 0),
+            )
             if optimizer_path:
                 save_optimizer(self.model, self.optimizer, self.scheduler, optimizer_path)
-        if tokenizer_path and self.rank == 0:
-            self.tokenizer.save_pretrained(tokenizer_path)
+        if tokenizer_path:
+
+            def write_tokenizer() -> None:
+                if self.rank == 0:
+                    self.tokenizer.save_pretrained(tokenizer_path)
+
+            write_on_every_rank(tokenizer_path, write_tokenizer)
         dist.barrier()
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:

@@ -83,3 +83,130 @@ def test_ctrl_c_while_the_learner_thread_is_stuck_in_an_import(tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "phalanx train ppo: interrupted by SIGINT" in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "r").exists()  # nothing was written: no folder left
+
+
+class _Stop(Exception):
+    """What the test's SIGINT handler raises (a KeyboardInterrupt would stop pytest)."""
+
+
+@pytest.mark.timeout(30)
+def test_a_signal_handed_to_another_thread_stops_the_wait_for_start_up_work():
+    import concurrent.futures
+    import signal
+    import threading
+    import time
+
+    from phalanx.algorithms._harness import result_of
+
+    def handler(signum, frame):
+        raise _Stop
+
+    never: concurrent.futures.Future[int] = concurrent.futures.Future()
+    stopped = threading.Event()
+    outlasted: list[bool] = []
+
+    def signal_this_thread() -> None:  # as when the kernel picks a thread other than main
+        deadline = time.monotonic() + 10
+        while not never._condition._waiters and time.monotonic() < deadline:
+            stopped.wait(0.01)  # poll until the main thread waits on the future
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        if not stopped.wait(10):  # an untimed wait would still be waiting: end it
+            never.set_result(0)
+            outlasted.append(True)
+
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        threading.Thread(target=signal_this_thread, daemon=True).start()
+        with pytest.raises(_Stop):
+            result_of(never)
+        assert outlasted == []  # the signal stopped the wait, not the future's result
+    finally:
+        stopped.set()
+        signal.signal(signal.SIGINT, old)
+
+
+class _SignalledWhileDropped:
+    """Sends SIGINT to its own process from ``__del__``: the handler runs there and Python
+    drops its exception ("Exception ignored"), as in the import system's weakref callback."""
+
+    def __del__(self) -> None:
+        import signal
+
+        signal.raise_signal(signal.SIGINT)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the lost one
+def test_a_signal_whose_exception_was_lost_still_stops_the_run(tmp_path, capsys):
+    import concurrent.futures
+    import threading
+
+    from phalanx.algorithms import _harness as harness
+    from phalanx.algorithms.ppo_config import PPOConfig
+
+    learner: concurrent.futures.Future[int] = concurrent.futures.Future()
+    stopped = threading.Event()
+
+    def end_the_wait() -> None:  # without the fix the wait would outlast the run
+        if not stopped.wait(10):
+            learner.set_result(0)
+
+    def body() -> int:
+        _SignalledWhileDropped()  # dropped at once
+        harness.result_of(learner)
+        return harness.DONE
+
+    threading.Thread(target=end_the_wait, daemon=True).start()
+    try:
+        code = harness.run_command("p", PPOConfig, tmp_path / "run", body)
+    finally:
+        stopped.set()
+    assert code == harness.SIGINT_EXIT
+    err = capsys.readouterr().err
+    assert "p: interrupted by SIGINT\np: nothing was written\n" in err
+
+
+class _SigintWhileImported:
+    """An import finder for ``phalanx_test_interrupted``: its module sends SIGINT to this
+    process halfway through being executed, then finishes."""
+
+    def find_spec(self, name, path=None, target=None):
+        import importlib.util
+
+        if name != "phalanx_test_interrupted":
+            return None
+        return importlib.util.spec_from_loader(name, self)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module) -> None:
+        import signal
+
+        signal.raise_signal(signal.SIGINT)
+        module.finished = True
+
+
+@pytest.mark.timeout(30)
+def test_a_signal_inside_an_import_stops_the_run_once_the_import_is_done(tmp_path, capsys):
+    import concurrent.futures
+
+    from phalanx.algorithms import _harness as harness
+    from phalanx.algorithms.ppo_config import PPOConfig
+
+    def body() -> int:
+        import phalanx_test_interrupted  # noqa: F401
+
+        harness.result_of(concurrent.futures.Future())  # stopped by the signal, sent again
+        return harness.DONE
+
+    finder = _SigintWhileImported()
+    sys.meta_path.insert(0, finder)
+    try:
+        code = harness.run_command("p", PPOConfig, tmp_path / "run", body)
+        assert code == harness.SIGINT_EXIT
+        assert sys.modules["phalanx_test_interrupted"].finished is True
+    finally:
+        sys.meta_path.remove(finder)
+        sys.modules.pop("phalanx_test_interrupted", None)
+    assert "p: interrupted by SIGINT\n" in capsys.readouterr().err
