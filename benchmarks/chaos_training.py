@@ -1,5 +1,5 @@
-"""The README's tiny GRPO command (or its PPO command), clean and with a process of the run
-killed every few minutes (seconds for PPO).
+"""The README's tiny GRPO command, clean and with a process of the run killed every few
+minutes.
 
 Runs ``phalanx train grpo --model tiny`` as a subprocess twice with the same seed: once
 undisturbed, once while a killer sends SIGKILL to one of the run's policy ranks or
@@ -16,15 +16,6 @@ to the clean run's (goal: within 10%).
 
     python benchmarks/chaos_training.py [--steps 40] [--every-min 120] [--every-max 240]
         [--seed 1] [--extra "--warmup-steps 50"]
-
-``ppo`` runs the README's PPO command (CartPole-v1, two env runners, stop at return 450)
-the same two ways, killing one of its env runners every ``--every-min`` to
-``--every-max`` seconds from its first metrics row on, and compares the time to return 450
-(goal: within 10%). PPO's learner runs in the driver process (its batches never leave
-it), so a learner death is the job's death; ``--resume`` continues from the last
-checkpoint.
-
-    python benchmarks/chaos_training.py ppo [--every-min 4] [--every-max 8] [--seed 1]
 """
 
 from __future__ import annotations
@@ -33,7 +24,6 @@ import argparse
 import json
 import os
 import random
-import re
 import shlex
 import signal
 import statistics
@@ -47,7 +37,6 @@ import psutil
 from _common import run_with_killer, titled_descendants
 
 ROLES = ("Host_DTensorPolicyWorker", "Host_HFGenerationWorker")
-PPO_ROLES = ("Host_EnvRunner",)
 
 
 def _role_processes(driver: psutil.Process, role: str) -> list[psutil.Process]:
@@ -61,26 +50,25 @@ def _role_processes(driver: psutil.Process, role: str) -> list[psutil.Process]:
     ]
 
 
-def _first_step_done(metrics: Path, key: str) -> bool:
+def _first_step_done(metrics: Path) -> bool:
     try:
-        return any(f'"{key}"' in line for line in metrics.read_text().splitlines())
+        return any('"reward_mean"' in line for line in metrics.read_text().splitlines())
     except OSError:
         return False
 
 
 def _killer(driver: psutil.Process, metrics: Path, every: tuple[float, float], seed: int,
-            stop: threading.Event, kills: list[tuple[float, str, int]], t0: float,
-            roles: tuple[str, ...] = ROLES, first_key: str = "reward_mean") -> None:  # fmt: skip
-    """SIGKILL a process of one of ``roles`` (in turn, a random one of the role) every
-    ``every`` seconds (uniform), from the first metrics row holding ``first_key`` on."""
+            stop: threading.Event, kills: list[tuple[float, str, int]], t0: float) -> None:  # fmt: skip
+    """SIGKILL a policy rank or a generation worker (in turn, a random one of the role)
+    every ``every`` seconds (uniform), from the end of the first step on."""
     rng = random.Random(seed)
-    while not stop.is_set() and not _first_step_done(metrics, first_key):
+    while not stop.is_set() and not _first_step_done(metrics):
         stop.wait(0.2)
     next_at = time.perf_counter() + rng.uniform(*every)
     turn = 0
     while not stop.is_set():
         if time.perf_counter() >= next_at:
-            role = roles[turn % len(roles)]
+            role = ROLES[turn % len(ROLES)]
             procs = _role_processes(driver, role)
             if procs:
                 victim = rng.choice(procs)
@@ -135,80 +123,17 @@ def run_once(chaos: bool, args: argparse.Namespace) -> dict:
     }
 
 
-def _summary(stdout: str) -> dict:
-    """The JSON summary ``phalanx train ppo`` prints (an indented object on its own lines)."""
-    found = re.search(r"^\{\n.*?^\}$", stdout, re.S | re.M)
-    return json.loads(found.group(0)) if found else {}
-
-
-def run_ppo_once(chaos: bool, args: argparse.Namespace) -> dict:
-    runs_dir = tempfile.mkdtemp(prefix="phalanx_chaos_ppo_")
-    name = f"chaos{int(chaos)}_{args.seed}_{os.getpid()}"
-    argv = [sys.executable, "-m", "phalanx.cli", "train", "ppo", "--env", "CartPole-v1",
-            "--env-runners", "2", "--stop-return", "450", "--seed", str(args.seed),
-            "--name", name, "--runs-dir", runs_dir, "--no-progress",
-            *shlex.split(args.extra)]  # fmt: skip
-    metrics = Path(runs_dir) / name / "metrics.jsonl"
-    t0 = time.perf_counter()
-    kills: list[tuple[float, str, int]] = []
-    killer = None
-    if chaos:
-
-        def killer(driver: psutil.Process, stop: threading.Event) -> None:
-            every = (args.every_min, args.every_max)
-            _killer(driver, metrics, every, args.seed, stop, kills, t0, PPO_ROLES, "iteration")
-
-    returncode, out, err = run_with_killer(argv, args.timeout, killer)
-    summary = _summary(out)
-    return {
-        "chaos": chaos,
-        "rc": returncode,
-        "wall_s": time.perf_counter() - t0,
-        "kills": kills,
-        "restarts": summary.get("restarts"),
-        "time_to_450_s": summary.get("time_to_stop_return_s"),
-        "stderr_tail": "" if returncode == 0 else err[-2000:],
-    }
-
-
-def main_ppo(args: argparse.Namespace) -> None:
-    results = [run_ppo_once(False, args), run_ppo_once(True, args)]
-    for r in results:
-        label = "killed" if r["chaos"] else "clean "
-        print(f"{label} rc {r['rc']}  wall {r['wall_s']:.0f} s  time to return 450 "
-              f"{r['time_to_450_s']} s  env runner restarts {r['restarts']}")  # fmt: skip
-        for at, role, pid in r["kills"]:
-            print(f"  kill at {at:.0f} s: {role} pid {pid}")
-        if r["rc"] != 0:
-            print(f"  stderr: {r['stderr_tail']}")
-    clean, killed = results
-    if clean["time_to_450_s"] and killed["time_to_450_s"] is not None:
-        ratio = killed["time_to_450_s"] / clean["time_to_450_s"]
-        print(f"RATIO time to return 450 killed / clean: {ratio:.3f} (goal within 10%); "
-              f"kills {len(killed['kills'])}, env runner restarts {killed['restarts']}, job restarts: 0, "
-              f"the killed run reached 450 by itself: {killed['rc'] == 0}")  # fmt: skip
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("algo", nargs="?", choices=("grpo", "ppo"), default="grpo")
-    p.add_argument("--steps", type=int, default=40, help="GRPO steps")
-    p.add_argument("--every-min", type=float, default=None,
-                   help="seconds between kills, least (GRPO 120, PPO 4)")  # fmt: skip
-    p.add_argument("--every-max", type=float, default=None,
-                   help="seconds between kills, most (GRPO 240, PPO 8)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--every-min", type=float, default=120.0, help="seconds between kills, least")
+    p.add_argument("--every-max", type=float, default=240.0, help="seconds between kills, most")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--extra", default="", help="more flags for the phalanx train command")
+    p.add_argument("--extra", default="", help="more flags for phalanx train grpo")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     args = p.parse_args()
-    defaults = (4.0, 8.0) if args.algo == "ppo" else (120.0, 240.0)
-    args.every_min = defaults[0] if args.every_min is None else args.every_min
-    args.every_max = defaults[1] if args.every_max is None else args.every_max
     if not 0 < args.every_min <= args.every_max:
         p.error(f"--every-min {args.every_min} must be > 0 and <= --every-max {args.every_max}")
-    if args.algo == "ppo":
-        main_ppo(args)
-        return
     results = [run_once(False, args), run_once(True, args)]
     for r in results:
         label = "killed" if r["chaos"] else "clean "
