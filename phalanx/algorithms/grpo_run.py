@@ -60,6 +60,7 @@ def derive_max_total_sequence_length(
 
 
 TMP_SUFFIX = ".tmp"  # a checkpoint being written (renamed into place when complete)
+VLLM_START_TIMEOUT_S = 600.0  # a vLLM generation worker's start: engine and compiled graphs
 
 
 def latest_checkpoint(run_dir: str) -> str | None:
@@ -311,6 +312,8 @@ class GRPORun:
                 name=f"grpo_generation_{os.getpid()}",
                 # A dead generation worker is restarted, and refitted before it is called.
                 restart_policy=px.RestartPolicy(),
+                # vLLM's engine compiles its graphs as it starts: minutes on a small CPU.
+                timeout_s=VLLM_START_TIMEOUT_S if cfg.generation_backend == "vllm" else None,
             )
         place_group(self.generation, None, plan.gen_cpus)  # its threads are in gen_cfg
         if cfg.async_grpo and cfg.placement != "disaggregated" and not cfg.num_threads:
