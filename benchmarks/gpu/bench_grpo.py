@@ -5,8 +5,10 @@ policy (FSDP2, bf16) and one generation worker sharing the GPU, refitted by CUDA
 The model is ``--model`` (default ``qwen2.5-0.5b``: random weights, so responses run to
 ``--new`` tokens, GRPO's batch shape at its longest); the prompts are the tiny addition
 task's. Reports the median of each phase over the steps after the first (which warms up),
-and ``RATIO grpo_step/phases``: the step's wall time over the sum of its phases
-(generation, log-probs, training, refit), i.e. what the loop adds around them.
+and ``RATIO grpo_step/phases``: the step's wall time over the sum of its phases (every
+``time/<phase>`` the loop logs: generation, log-probs, training, keeping the recovery
+state, refit, ...; waits that overlap a phase are left out), i.e. what the loop adds
+around them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import model_path, report  # noqa: E402
 
-PHASES = ("generation", "logprobs", "training", "refit")
+PHASES = ("generation", "logprobs", "training", "refit")  # always reported, 0 when absent
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -82,8 +84,12 @@ def main(argv: list[str] | None = None) -> dict:
 def summarize(history: list[dict], rows: int) -> tuple[float, dict]:
     """The step over the sum of its phases, and the figures of the report: each phase's
     median over the steps after the first, the generated tokens/s, the first step."""
+    from phalanx.observe.plots import phase_keys
+
     later = history[1:]
-    median = {k: statistics.median(r[f"time/{k}"] for r in later) for k in PHASES}
+    names = [k.removeprefix("time/") for k in phase_keys(later) if not k.endswith("_wait")]
+    names = list(PHASES) + [k for k in names if k not in PHASES]
+    median = {k: statistics.median(r.get(f"time/{k}", 0.0) for r in later) for k in names}
     step = statistics.median(r["time/step"] for r in later)
     tokens = statistics.median(r["response_length"] for r in later) * rows
     figures = {

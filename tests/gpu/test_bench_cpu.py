@@ -111,14 +111,17 @@ def test_grpo_report_takes_medians_after_the_first_step():
         {"time/step": 9.0, "time/generation": 5, "time/logprobs": 1, "time/training": 2,
          "time/refit": 0.5, "response_length": 10},
         {"time/step": 4.0, "time/generation": 2, "time/logprobs": 0.5, "time/training": 1,
-         "time/refit": 0.1, "response_length": 20},
+         "time/keep_state": 0.2, "time/refit": 0.1, "time/refit_wait": 0.05,
+         "response_length": 20},
         {"time/step": 5.0, "time/generation": 3, "time/logprobs": 0.5, "time/training": 1,
-         "time/refit": 0.1, "response_length": 30},
+         "time/keep_state": 0.4, "time/refit": 0.1, "time/refit_wait": 0.05,
+         "response_length": 30},
     ]  # fmt: skip
     ratio, fig = bench_grpo.summarize(history, rows=4)
     assert fig["step_s"] == 4.5 and fig["generation_s"] == 2.5 and fig["first_step_s"] == 9.0
+    assert fig["keep_state_s"] == pytest.approx(0.3) and "refit_wait_s" not in fig
     assert fig["generated_tokens_per_s"] == round(25 * 4 / 2.5)
-    assert ratio == pytest.approx(4.5 / (2.5 + 0.5 + 1 + 0.1))
+    assert ratio == pytest.approx(4.5 / (2.5 + 0.5 + 1 + 0.3 + 0.1))
     with pytest.raises(SystemExit):
         bench_grpo.main(["--steps", "1"])
 
