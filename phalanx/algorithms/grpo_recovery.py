@@ -1,7 +1,9 @@
 """In-place recovery of a GRPO run from the death of a policy rank.
 
-After every step's training the policy's state (weights, optimizer, scheduler: what a
-checkpoint holds, written by the same code) is kept as the run's last good state. A call
+After every step's training the policy's state (trainable weights, optimizer, scheduler)
+is kept as the run's last good state: each rank copies it into memory-mapped files of its
+own (``DTensorPolicyWorker.keep_state``), two slots used in turn, so a death while keeping
+one leaves the other whole. A call
 on the policy that meets a dead rank (:class:`~phalanx.WorkerDiedError`, or an error of a
 live rank while another one is dead) then relaunches the whole policy group (its process
 group is rebuilt), loads that state, refits the generators and does the interrupted part
@@ -53,7 +55,8 @@ class PolicyRecovery:
     def __init__(self, run: Any, metrics: Any, max_restarts: int) -> None:
         self.run, self.metrics, self.max_restarts = run, metrics, max_restarts
         self.restarts = 0
-        self.good: str | None = None  # the folder of the last good state
+        self.good: int | None = None  # the slot of the last good state
+        self.good_step = 0  # the step after which it was kept
         self.save_seconds = 0.0  # the last snapshot's
         self._root: str | None = None
 
@@ -78,12 +81,9 @@ class PolicyRecovery:
         if self.max_restarts == 0:
             return
         t = time.perf_counter()
-        path = os.path.join(self._state_root(), f"step_{step}")
-        shutil.rmtree(path, ignore_errors=True)  # a half-written one from a failed try
-        self.run.policy.save_checkpoint(os.path.join(path, "weights"), os.path.join(path, "optim"))
-        if self.good is not None and self.good != path:
-            shutil.rmtree(self.good, ignore_errors=True)
-        self.good = path
+        slot = 0 if self.good != 0 else 1  # never the last good one
+        self.run.policy.keep_state(self._state_root(), slot)
+        self.good, self.good_step = slot, step
         self.save_seconds = time.perf_counter() - t
 
     def call(self, step: int, phase: str, fn: Callable[[], R]) -> R:
@@ -122,7 +122,7 @@ class PolicyRecovery:
         t = time.perf_counter()
         self.restarts += 1
         run = self.run
-        parts = run.relaunch_policy(self.good)
+        parts = run.relaunch_policy(self._state_root(), self.good)
         t_refit = time.perf_counter()
         with run.rollouts.paused():
             run.refit()
@@ -132,6 +132,7 @@ class PolicyRecovery:
             "recovery/seconds": seconds,
             "recovery/shutdown_seconds": parts["shutdown"],
             "recovery/start_seconds": parts["start"],
+            "recovery/load_seconds": parts["load"],
             "recovery/refit_seconds": time.perf_counter() - t_refit,
             "recovery/group": "policy",
             "recovery/rank": rank,
@@ -142,7 +143,7 @@ class PolicyRecovery:
         })  # fmt: skip
         run.bar.log(
             f"[grpo] step {step}: {reason}; policy group relaunched from the state after "
-            f"{os.path.basename(self.good)} in {seconds:.1f} s "
+            f"step {self.good_step} in {seconds:.1f} s "
             f"(restart {self.restarts}/{self.max_restarts}); {phase} of step {step} is redone"
         )
 

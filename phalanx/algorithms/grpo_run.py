@@ -335,11 +335,11 @@ class GRPORun:
             calls = [(r, (self.phase.path,), {}) for r in range(pg.world_size)]
             pg.apply(follow_phase_threads, calls, label="follow_threads").wait(timeout=60)
 
-    def relaunch_policy(self, state_dir: str) -> dict[str, float]:
-        """Replace the policy group (one of its ranks died) by a new one whose state is read
-        from ``state_dir`` (a checkpoint's ``weights`` and ``optim``), placed as the old one
-        and refitted from from now on; the seconds its shutdown and its start (the state's
-        load included) took. The reference is built as a resumed run builds it."""
+    def relaunch_policy(self, root: str, slot: int) -> dict[str, float]:
+        """Replace the policy group (one of its ranks died) by a new one that restores the
+        state kept in ``slot`` under ``root`` (``Policy.keep_state``), placed as the old one
+        and refitted from from now on; the seconds its shutdown, its start and the state's
+        load took. The reference is built as a resumed run builds it."""
         cfg, plan = self.cfg, self.plan
         t = time.perf_counter()
         # No clean-up call: the live ranks are stuck in a collective with the dead one.
@@ -349,12 +349,18 @@ class GRPORun:
             {**plan.policy_cfg, "model_name": plan.sft_dir} if plan.warm else plan.policy_cfg
         )
         self.policy = self._start_policy(
-            self.cluster, policy_cfg, state_dir, init_reference_model=cfg.kl_beta > 0 or plan.warm
+            self.cluster, policy_cfg, None, init_reference_model=cfg.kl_beta > 0 or plan.warm
         )
+        t_load = time.perf_counter()
+        self.policy.restore_kept_state(root, slot)
         self._place_policy()
         self.memory.groups["policy"] = self.policy.worker_group
         self.refitter.replace_policy(self.policy)
-        return {"shutdown": t_down - t, "start": time.perf_counter() - t_down}
+        return {
+            "shutdown": t_down - t,
+            "start": t_load - t_down,
+            "load": time.perf_counter() - t_load,
+        }
 
     def _start_policy(
         self, cluster: Any, policy_cfg: dict[str, Any], ckpt: str | None, **kwargs: Any

@@ -416,6 +416,26 @@ class Policy:
         """
         return self._all("return_full_state_dict")[0]
 
+    def keep_state(self, root: str, slot: int) -> int:
+        """Every rank's training state into ``slot`` (0 or 1) of the files under ``root``
+        (``DTensorPolicyWorker.keep_state``), the last good state of in-place recovery.
+
+        Args:
+            root, slot: as for ``DTensorPolicyWorker.keep_state``.
+
+        Returns:
+            The bytes kept, all ranks together.
+        """
+        return sum(self._all("keep_state", root, slot))
+
+    def restore_kept_state(self, root: str, slot: int) -> None:
+        """Every rank loads what its predecessor kept in ``slot`` under ``root``.
+
+        Args:
+            root, slot: as for ``DTensorPolicyWorker.restore_kept_state``.
+        """
+        self._all("restore_kept_state", root, slot)
+
     def save_checkpoint(
         self,
         weights_path: str,

@@ -53,6 +53,7 @@ from phalanx.llm.fsdp_state import (
     reshard,
     unshard_fsdp2_model,
 )
+from phalanx.llm.kept_state import KeptState
 from phalanx.llm.logprobs import chosen_token_logprobs
 from phalanx.llm.lora import disabled_adapters, load_adapters, save_adapters
 from phalanx.llm.loss import (
@@ -232,6 +233,7 @@ class DTensorPolicyWorker(Worker):
             release_refit_buffers=self._refit.release_refit_buffers,
         )
         self._microbatch_hooks: list[Callable[[], None]] = []
+        self._kept = KeptState(self.rank)
 
     # ------------------------------------------------------------------ setup
     def _init_process_group(self) -> None:
@@ -982,6 +984,38 @@ class DTensorPolicyWorker(Worker):
         if optimizer_path:
             load_optimizer(self.model, self.optimizer, self.scheduler, optimizer_path)
 
+    def keep_state(self, root: str, slot: int) -> int:
+        """Copy this rank's trainable weights, optimizer and scheduler state into ``slot``
+        (0 or 1) of the files under ``root``, for a relaunched rank to restore
+        (in-place recovery). Cheaper than ``save_checkpoint``: the files stay mapped and a
+        keep is one copy of the bytes.
+
+        Args:
+            root: the folder of the files (``/dev/shm`` or a run folder's).
+            slot: 0 or 1; the caller alternates them so the last good one is never written.
+
+        Returns:
+            The bytes kept by this rank.
+
+        Raises:
+            ValueError: ``slot`` is not 0 or 1.
+            OSError: the files could not be written.
+        """
+        return self._kept.keep(root, slot, self.model, self.optimizer, self.scheduler)
+
+    def restore_kept_state(self, root: str, slot: int) -> None:
+        """Load what the rank of this number kept with ``keep_state(root, slot)``.
+
+        Args:
+            root: the folder ``keep_state`` wrote to.
+            slot: the slot to restore.
+
+        Raises:
+            FileNotFoundError: nothing was kept there.
+            StateLayoutError: the kept state does not fit this model and optimizer.
+        """
+        self._kept.restore(root, slot, self.model, self.optimizer, self.scheduler)
+
     # ------------------------------------------------------------ the rest of NeMo-RL's API
     create_context_parallel_ctx = staticmethod(create_context_parallel_ctx)
     train_context = staticmethod(train_context)
@@ -1002,6 +1036,7 @@ class DTensorPolicyWorker(Worker):
         """
         self._device_info.close()
         self._refit.close()
+        self._kept.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         return True

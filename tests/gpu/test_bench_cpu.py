@@ -1,6 +1,6 @@
 """The real-size GPU benchmarks' CPU-runnable parts: the architectures built from the
-configs in ``benchmarks/gpu/configs``, the train and generation benchmarks end to end on
-the tiny model, GRPO's report, kernel kinds and ``run_kit.sh``'s argument check. Not
+configs in ``benchmarks/gpu/configs``, the train, generation and kept-state benchmarks end
+to end on the tiny model, GRPO's report, kernel kinds and ``run_kit.sh``'s argument check. Not
 marked ``gpu``: CI runs these."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ sys.path.insert(0, KIT)
 import _common  # noqa: E402
 import bench_generate  # noqa: E402
 import bench_grpo  # noqa: E402
+import bench_keep_state  # noqa: E402
 import bench_train  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -104,6 +105,13 @@ def test_generate_benchmark_compares_the_same_batch(tiny_model, capsys):
     assert (rec["rows"], rec["new_tokens"], rec["prompt_len"]) == (6, 5, 4)
     assert rec["phalanx_tokens_per_s"] > 0 and rec["hf_tokens_per_s"] > 0
     assert "RATIO phalanx_generate/hf_generate = " in capsys.readouterr().out
+
+
+def test_keep_state_benchmark_times_both_ways_and_leaves_nothing(tiny_model, dist_env, tmp_path):
+    rec = bench_keep_state.main(["--model", tiny_model, "--repeats", "1", "--root", str(tmp_path)])
+    assert rec["ratio_name"] == "keep_state/dcp_save" and rec["mib"] > 0
+    assert min(rec["keep_s"], rec["first_keep_s"], rec["dcp_save_s"], rec["restore_s"]) > 0
+    assert os.listdir(tmp_path) == []  # both ways' files removed
 
 
 def test_grpo_report_takes_medians_after_the_first_step():
