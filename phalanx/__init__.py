@@ -1,8 +1,10 @@
 """phalanx: a runtime for distributed reinforcement learning on Ray.
 
 Public names are importable from here, each imported on first use (``_base/lazy.py``), so
-a worker process that does not touch torch-heavy modules starts quickly and several
-threads may import public names at once.
+a worker process that does not touch torch-heavy modules starts quickly, several threads
+may import public names at once, and ``import phalanx`` loads neither Ray, torch nor
+gymnasium (so the command line's Ctrl-C handling is in place before anything slow is
+imported).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from phalanx._base.lazy import lazy_exports
-from phalanx.worker.worker import register_group_factory
+from phalanx.worker.group_factory import register_group_factory
 
 __version__ = "0.1.0"
 

@@ -15,12 +15,17 @@ which builds its flags from its config dataclass (a module without ``cli`` provi
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import signal
 import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import argparse
 
 SIGINT_EXIT = 128 + signal.SIGINT  # 130, as a run interrupted by Ctrl-C
+RESEND_S = 0.05  # how soon a SIGINT that came inside the import system is sent again
 
 _COMMANDS = {
     "demo": ("phalanx.cli.demo", "run a short demonstration of the runtime on the embedded Ray"),
@@ -45,6 +50,9 @@ def _module(path: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand (each subcommand's module is imported here)."""
+    import argparse
+
     parser = argparse.ArgumentParser(prog="phalanx", description="Distributed RL runtime on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (path, help_text) in _COMMANDS.items():
@@ -76,13 +84,41 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the ``phalanx`` command line; returns the exit status.
 
-    A Ctrl-C before a command installs its own handling (while modules are imported and
-    flags parsed) exits 130 with one line, as one during a run does."""
+    Its first action is to take over SIGINT: a Ctrl-C before a command installs its own
+    handling (while Ray, torch and gymnasium are imported and flags parsed) exits 130 with
+    one line, as one during a run does. The modules imported before this point (``phalanx``
+    and this one) import nothing slow."""
+    active: list[bool] = []
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        active.append(True)
+        old = signal.signal(signal.SIGINT, lambda signum, frame: _interrupt(frame, active))
     try:
         return _main(argv)
     except KeyboardInterrupt:
         print("phalanx: interrupted by SIGINT (nothing was started)", file=sys.stderr, flush=True)
         return SIGINT_EXIT
+    finally:
+        if active:
+            active.clear()
+            signal.signal(signal.SIGINT, signal.SIG_DFL if old is None else old)
+
+
+def _interrupt(frame: Any, active: list[bool]) -> None:
+    """Raise ``KeyboardInterrupt``, unless ``frame`` (the code the signal stopped) is the
+    import system's own: an exception raised there can be dropped (a module lock's weakref
+    callback prints "Exception ignored" and goes on), losing the Ctrl-C. The signal is then
+    sent again shortly, while ``active`` (this command's handler is still installed)."""
+    if frame is None or not frame.f_code.co_filename.startswith("<frozen importlib"):
+        raise KeyboardInterrupt
+
+    def resend() -> None:
+        if active:
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+    later = threading.Timer(RESEND_S, resend)
+    later.daemon = True
+    later.start()
 
 
 def _main(argv: list[str] | None) -> int:

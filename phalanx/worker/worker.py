@@ -8,14 +8,13 @@ RLinf's spellings ``_rank``, ``_world_size``, ``_group_name``, ``_worker_address
 ``_cluster_node_rank``, ``_local_accelerator_rank``, ``_node_local_rank``).
 
 ``Worker.create_group`` builds a group through a factory that the group layer registers
-when it is imported (``register_group_factory``): the worker layer never imports the
-group layer, which sits above it.
+when it is imported (``register_group_factory``, kept in ``group_factory``): the worker
+layer never imports the group layer, which sits above it.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,7 @@ from phalanx._base.timing import timer
 from phalanx.comm.mixin import CommMixin
 from phalanx.worker.builder import RayWorkerBuilder
 from phalanx.worker.context import RANK_ENV_KEYS, ContextBound, WorkerContext
+from phalanx.worker.group_factory import register_group_factory, registered_group_factory
 from phalanx.worker.weights_state import WeightsReceiverMixin
 
 __all__ = [
@@ -92,20 +92,6 @@ class _TorchDeviceType(_TorchPlatform):
 
     def __get__(self, obj: Any, owner: type) -> str | None:
         return None if super().__get__(obj, owner) is None else "cuda"
-
-
-_group_factory: Callable[..., Any] | None = None
-
-
-def register_group_factory(factory: Callable[..., Any]) -> None:
-    """Set how ``Worker.create_group`` builds a group: ``factory(remote_worker_builder=...)``.
-
-    The group layer calls this when it is imported, so the worker layer need not import it.
-    """
-    global _group_factory
-    if not callable(factory):
-        raise TypeError(f"factory must be callable, got {type(factory).__name__}")
-    _group_factory = factory
 
 
 class Worker(CommMixin, WeightsReceiverMixin, ContextBound):
@@ -277,12 +263,13 @@ class Worker(CommMixin, WeightsReceiverMixin, ContextBound):
         Raises:
             RuntimeError: no group factory is registered (``phalanx`` was not imported).
         """
-        if _group_factory is None:
+        factory = registered_group_factory()
+        if factory is None:
             raise RuntimeError(
                 f"{cls.__name__}.create_group: no group factory is registered; import "
                 "phalanx (or phalanx.group) before creating groups"
             )
-        return _group_factory(remote_worker_builder=RayWorkerBuilder(cls, *args, **kwargs))
+        return factory(remote_worker_builder=RayWorkerBuilder(cls, *args, **kwargs))
 
 
 # Names of the base class that are not worker methods exposed on a group.

@@ -8,6 +8,7 @@ timing."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # argv[1]: the module whose import sends the SIGINT; argv[2]: "main" (only on the main
 # thread) or a thread-name prefix: then that thread stays inside the import for good, as
-# a thread left in an import that an interrupt broke does.
+# a thread left in an import that an interrupt broke does; argv[3]: "-m" runs
+# ``python -m phalanx.cli``, "module:function" does what an installed console script does.
 LAUNCHER = textwrap.dedent(
     """
     import importlib.util, os, runpy, signal, sys, threading
@@ -44,19 +46,24 @@ LAUNCHER = textwrap.dedent(
             threading.Event().wait()
 
     sys.meta_path.insert(0, SigintOnImport())
-    sys.argv = ["phalanx", *sys.argv[3:]]
-    runpy.run_module("phalanx.cli", run_name="__main__")
+    entry = sys.argv[3]
+    sys.argv = ["phalanx", *sys.argv[4:]]
+    if entry == "-m":
+        runpy.run_module("phalanx.cli", run_name="__main__")
+    else:
+        path, _, function = entry.partition(":")
+        sys.exit(getattr(importlib.import_module(path), function)())
     """
 )
 
 
-def _run(tmp_path, module: str, where: str) -> subprocess.CompletedProcess:
+def _run(tmp_path, module: str, where: str, entry: str = "-m") -> subprocess.CompletedProcess:
     argv = ["train", "ppo", "--env-runners", "0", "--max-timesteps", "100000000",
             "--runs-dir", str(tmp_path), "--name", "r", "--no-progress"]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     env.pop("RAY_ADDRESS", None)
     return subprocess.run(
-        [sys.executable, "-c", LAUNCHER, module, where, *argv],
+        [sys.executable, "-c", LAUNCHER, module, where, entry, *argv],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -72,6 +79,71 @@ def test_ctrl_c_while_the_command_imports_its_modules(tmp_path):
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
         "phalanx: interrupted by SIGINT (nothing was started)"
+    )
+
+
+def _console_script() -> str:
+    """The ``phalanx`` command's entry point, as ``pyproject.toml`` declares it."""
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        scripts = f.read().split("[project.scripts]", 1)[1].split("\n[", 1)[0]
+    return re.search(r'^phalanx = "([^"]+)"', scripts, re.M).group(1)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("module", ["ray", "torch", "gymnasium"])
+def test_ctrl_c_while_the_installed_command_starts(tmp_path, module):
+    # The console script imports its entry module, then calls it: the first heavy import
+    # must come after the command's own SIGINT handling is in place.
+    proc = _run(tmp_path, module, "main", _console_script())
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "phalanx: interrupted by SIGINT (nothing was started)"
+    ]
+
+
+# The command's SIGINT handler, called as if the signal had stopped the import system's
+# own code (the frame of importlib's ``_find_spec``, where Python can drop an exception).
+IN_THE_IMPORT_SYSTEM = textwrap.dedent(
+    """
+    import signal, sys
+
+    class HandlerInsideImportlib:
+        def find_spec(self, name, path=None, target=None):
+            if name == "gymnasium" and not hasattr(self, "done"):
+                self.done = True
+                signal.getsignal(signal.SIGINT)(signal.SIGINT, sys._getframe(1))
+                print("handler returned", file=sys.stderr, flush=True)
+            return None
+
+    sys.meta_path.insert(0, HandlerInsideImportlib())
+    from phalanx.cli.main import main
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+@pytest.mark.timeout(90)
+def test_ctrl_c_inside_the_import_system_is_sent_again_after_it(tmp_path):
+    argv = ["train", "ppo", "--env-runners", "0", "--max-timesteps", "100000000",
+            "--runs-dir", str(tmp_path), "--name", "r", "--no-progress"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", IN_THE_IMPORT_SYSTEM, *argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0] == "handler returned", proc.stderr[-3000:]
+    assert lines[-1] in (
+        "phalanx: interrupted by SIGINT (nothing was started)",
+        "phalanx train ppo: nothing was written",
     )
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from phalanx.cli.main import main
@@ -32,3 +36,20 @@ def test_train_lists_the_algorithms(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "ppo" in out and "grpo" in out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.smoke
+def test_importing_phalanx_or_its_command_loads_no_heavy_package():
+    # Ctrl-C before the command's entry point runs would be Python's own traceback, so
+    # nothing slow may be imported before it: Ray, torch and gymnasium come on first use.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    check = (
+        "import sys, phalanx, phalanx.cli.main; "
+        "print(sorted(m for m in ('gymnasium', 'numpy', 'ray', 'torch') if m in sys.modules))"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run(
+        [sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert (out.returncode, out.stdout) == (0, "[]\n"), out.stderr[-3000:]

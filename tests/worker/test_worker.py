@@ -9,6 +9,7 @@ import pathlib
 import pytest
 
 import phalanx as px
+import phalanx.worker.group_factory as group_factory_module
 import phalanx.worker.worker as worker_module
 from phalanx.resources.placement import WorkerSlot
 from phalanx.worker.worker import RANK_ENV_KEYS, WorkerContext, register_group_factory
@@ -25,7 +26,7 @@ def test_create_group_goes_through_the_registered_factory(monkeypatch):
     group = Plain.create_group("a")
     assert isinstance(group, px.WorkerGroup)  # registered by phalanx.group at import
 
-    monkeypatch.setattr(worker_module, "_group_factory", None)
+    monkeypatch.setattr(group_factory_module, "_group_factory", None)
     with pytest.raises(RuntimeError, match="no group factory is registered"):
         Plain.create_group()
 
