@@ -13,16 +13,20 @@ from typing import Any
 
 import torch
 
-# Positions per chunk are chosen so that one chunk holds about this many logits.
-DEFAULT_CHUNK_ELEMENTS = 1 << 24
+# Positions per chunk are chosen so that one chunk holds about this many logits. A GPU
+# pays a few kernel launches per chunk, so its chunks are larger (512 MB of float32).
+DEFAULT_CHUNK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 27}
 
 
-def _chunk_positions(batch: int, positions: int, vocab: int, chunk_size: int | None) -> int:
+def _chunk_positions(
+    batch: int, vocab: int, chunk_size: int | None, device: torch.device | None = None
+) -> int:
     if chunk_size is not None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise ValueError(f"logprob_chunk_size must be a positive int, got {chunk_size!r}")
         return chunk_size
-    return max(1, DEFAULT_CHUNK_ELEMENTS // max(1, batch * vocab))
+    kind = "cuda" if device is not None and device.type == "cuda" else "cpu"
+    return max(1, DEFAULT_CHUNK_ELEMENTS[kind] // max(1, batch * vocab))
 
 
 class _ChosenLogprobs(torch.autograd.Function):
@@ -70,7 +74,8 @@ def chosen_token_logprobs(
     """``log p(targets[b, t])`` under ``logits[b, t]``: [B, T] float32 from logits
     [B, >= T, V] (positions past T are not used) and targets [B, T].
 
-    ``chunk_size`` is the number of positions per chunk (default: about 16M logits a chunk).
+    ``chunk_size`` is the number of positions per chunk (default: about 16M logits a chunk
+    on the CPU, 128M on a GPU).
     Differentiable with respect to ``logits``.
     """
     B, T = targets.shape
@@ -78,7 +83,7 @@ def chosen_token_logprobs(
         raise ValueError(
             f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree"
         )
-    step = _chunk_positions(B, T, logits.shape[2], chunk_size)
+    step = _chunk_positions(B, logits.shape[2], chunk_size, logits.device)
     if T == 0:
         return logits.new_zeros((B, 0), dtype=torch.float32)
     return _ChosenLogprobs.apply(logits, targets.to(logits.device), step)
@@ -98,7 +103,7 @@ def entropy_sum(
 ) -> torch.Tensor:
     """Sum over ``mask`` of the entropy of ``logits`` [B, T, V] (mask [B, T]), chunked."""
     B, T, V = logits.shape
-    step = _chunk_positions(B, T, V, chunk_size)
+    step = _chunk_positions(B, V, chunk_size, logits.device)
     total = torch.zeros((), dtype=torch.float32, device=logits.device)
     for s in range(0, T, step):
         logp = torch.log_softmax(logits[:, s : s + step].float(), dim=-1)

@@ -95,3 +95,13 @@ def test_packed_forward_equals_separate_forwards(model_path) -> None:
         for i, n in enumerate(lengths.tolist()):
             alone = model(input_ids=ids[i : i + 1, :n]).logits[0]
             torch.testing.assert_close(rows[i, :n], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_default_chunks_hold_more_positions_on_a_gpu() -> None:
+    """A GPU's chunks are 8x larger (fewer kernel launches); a given size is used as is."""
+    from phalanx.llm.logprobs import _chunk_positions
+
+    vocab = 151_936  # Qwen2.5's
+    assert _chunk_positions(1, vocab, None, torch.device("cpu")) == (1 << 24) // vocab == 110
+    assert _chunk_positions(1, vocab, None, torch.device("cuda")) == (1 << 27) // vocab == 883
+    assert _chunk_positions(8, vocab, 1024, torch.device("cuda")) == 1024
