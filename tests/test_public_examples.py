@@ -13,7 +13,7 @@ import pytest
 import phalanx
 
 WITHOUT_RAY = ["BatchedDataDict", "Worker"]
-WITH_RAY = ["WorkerGroup", "Channel", "WeightSender", "EnvRunnerGroup"]
+WITH_RAY = ["WorkerGroup", "Channel", "WeightSender", "EnvRunnerGroup", "Policy"]
 
 
 def run_example(name: str) -> None:
