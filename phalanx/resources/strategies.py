@@ -422,22 +422,11 @@ class NodePlacementStrategy(PlacementStrategy):
                 )
         placements = []
         for rank, node_rank in enumerate(self._node_ranks):
-            node = cluster.node(node_rank)
-            devices = list(range(node.num_gpus))
-            placements.append(
-                RankPlacement(
-                    rank=rank,
-                    cluster_node_rank=node_rank,
-                    placement_node_rank=-1,
-                    local_accelerator_rank=devices[0] if devices else -1,
-                    accelerator_type=node.accelerator_type,
-                    local_rank=-1,
-                    local_world_size=0,
-                    visible_accelerators=[str(d) for d in devices],
-                    isolate_accelerator=isolate_accelerator,
-                    node_group_label=self._node_group_label,
-                )
-            )
+            devices = list(range(cluster.node(node_rank).num_gpus))
+            p = _device_placement(cluster, rank, node_rank, devices, isolate_accelerator)
+            p.local_hardware_ranks = []  # a whole node: no hardware ranks of its own
+            p.node_group_label = self._node_group_label
+            placements.append(p)
         return _fill_node_ranks(placements)
 
     def __repr__(self) -> str:
