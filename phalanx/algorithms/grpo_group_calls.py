@@ -199,6 +199,17 @@ def reset_worker_optimizer(worker: Any, lr: float) -> None:
     set_worker_lr(worker, lr)
 
 
+def state_load_seconds(policy: Any) -> float:
+    """Seconds the slowest policy rank took to load its checkpoint as it started."""
+    g = policy.worker_group
+    calls = [(r, (), {}) for r in range(g.world_size)]
+    return max(g.apply(_state_load_seconds, calls, label="state_load_seconds").wait(timeout=60))
+
+
+def _state_load_seconds(worker: Any) -> float:
+    return worker.state_load_seconds
+
+
 def on_policy_workers(policy: Any, fn: Any, lr: float, label: str) -> None:
     """Run ``fn(worker, lr)`` on every policy worker and wait for it."""
     g = policy.worker_group

@@ -132,6 +132,7 @@ class PolicyRecovery:
             "recovery/seconds": seconds,
             "recovery/shutdown_seconds": parts["shutdown"],
             "recovery/start_seconds": parts["start"],
+            "recovery/load_seconds": parts["load"],
             "recovery/refit_seconds": time.perf_counter() - t_refit,
             "recovery/group": "policy",
             "recovery/rank": rank,

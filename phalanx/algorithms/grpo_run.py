@@ -31,6 +31,7 @@ from phalanx.algorithms.grpo_group_calls import (
     refit_past_generator_deaths,
     reset_worker_optimizer,
     set_worker_lr,
+    state_load_seconds,
     thread_shares,
 )
 from phalanx.algorithms.grpo_rollout import SyncRollouts, rollout
@@ -338,8 +339,9 @@ class GRPORun:
     def relaunch_policy(self, state_dir: str) -> dict[str, float]:
         """Replace the policy group (one of its ranks died) by a new one whose state is read
         from ``state_dir`` (a checkpoint's ``weights`` and ``optim``), placed as the old one
-        and refitted from from now on; the seconds its shutdown and its start (the state's
-        load included) took. The reference is built as a resumed run builds it."""
+        and refitted from from now on; the seconds its shutdown, its start (the state's
+        load included) and the state's load (its slowest rank's) took. The reference is
+        built as a resumed run builds it."""
         cfg, plan = self.cfg, self.plan
         t = time.perf_counter()
         # No clean-up call: the live ranks are stuck in a collective with the dead one.
@@ -354,7 +356,8 @@ class GRPORun:
         self._place_policy()
         self.memory.groups["policy"] = self.policy.worker_group
         self.refitter.replace_policy(self.policy)
-        return {"shutdown": t_down - t, "start": time.perf_counter() - t_down}
+        start = time.perf_counter() - t_down
+        return {"shutdown": t_down - t, "start": start, "load": state_load_seconds(self.policy)}
 
     def _start_policy(
         self, cluster: Any, policy_cfg: dict[str, Any], ckpt: str | None, **kwargs: Any

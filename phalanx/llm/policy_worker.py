@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Generator, Iterable
 from datetime import timedelta
 from typing import Any
@@ -205,8 +206,11 @@ class DTensorPolicyWorker(Worker):
             self.reference_model_state_dict = get_cpu_state_dict(
                 self.model.state_dict().items(), pin_memory=True
             )
+        self.state_load_seconds = 0.0  # the checkpoint's load: part of a relaunch's cost
         if weights_path:
+            t = time.perf_counter()
             self.load_checkpoint(weights_path, optimizer_path if init_optimizer else None)
+            self.state_load_seconds = time.perf_counter() - t
         self._device_info = DeviceInfo(
             self.model,
             self.device,
