@@ -23,7 +23,7 @@ final accuracy to the clean run's (goal: within 10%).
     python benchmarks/chaos_training.py [--steps 40] [--every-min 120] [--every-max 240]
         [--seed 1] [--extra "--warmup-steps 50"]
     python benchmarks/chaos_training.py --policy-ranks 2 --victim policy-rank --rank 1 \
-        --steps 200 --every-min 40 --every-max 60 \
+        --max-kills 3 --steps 200 --every-min 40 --every-max 60 \
         --extra "--warmup-steps 60 --eval-every 50 --eval-size 50"
 """
 
@@ -121,7 +121,7 @@ def _rank_killer(driver: psutil.Process, metrics: Path, args: argparse.Namespace
     """SIGKILL policy rank ``args.rank`` while it is inside ``train``, every ``--every-min``
     to ``--every-max`` seconds from the end of the first step on; a rank not seen in
     ``train`` within ``--mid-step-deadline`` seconds is tried again at the next turn. At
-    most ``--max-kills`` kills (a run's restart budget, ``--max-restarts``, is 3)."""
+    most ``--max-kills`` kills (a run's restart budget, ``--max-restarts``, is 3 by default)."""
     rng = random.Random(args.seed)
     known: dict[int, int] = {}
     while not stop.is_set() and not _first_step_done(metrics):
