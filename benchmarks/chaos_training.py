@@ -2,20 +2,29 @@
 minutes.
 
 Runs ``phalanx train grpo --model tiny`` as a subprocess twice with the same seed: once
-undisturbed, once while a killer sends SIGKILL to one of the run's policy ranks or
-generation workers (in turn) every ``--every-min`` to ``--every-max`` seconds, from the end
-of the first GRPO step on. Only processes that descend from the run's own driver are
-killed.
+undisturbed, once while a killer sends SIGKILL to one of the run's processes every
+``--every-min`` to ``--every-max`` seconds, from the end of the first GRPO step on. Only
+processes that descend from the run's own driver are killed. ``--victim any`` (the
+default) kills a policy rank or a generation worker in turn, whatever they are doing;
+``--victim policy-rank`` kills policy rank ``--rank`` mid-step: the killer waits (with a
+deadline) until that rank's process is inside ``train``. The rank's process is known from
+its title while it starts (Ray titles it ``ray::<group>:<rank>:...__init__``), at the
+run's start and at every relaunch; it is inside ``train`` while its title ends in
+``.train``. ``--policy-ranks`` sets the size of the FSDP policy group.
 
 Reports, per run: exit status (the job is never restarted: a run that does not finish by
 itself is a failure), kills sent, the recoveries the run logged (``recovery/*`` rows of
-``metrics.jsonl``: seconds from the error to a refitted group, split into shutdown, start
-with the state's load, and refit), generation-worker restarts, steps redone, the time per
-step, and the final held-out accuracy; then the ratio of the killed run's final accuracy
-to the clean run's (goal: within 10%).
+``metrics.jsonl``), generation-worker restarts, steps redone, the time per step, and the
+final held-out accuracy; per kill of a policy rank, the seconds from the kill to the step's
+restart (the recovery row's time), split into worker start-up, state load, refit and the
+rest (noticing the death, shutting the old group down); then the ratio of the killed run's
+final accuracy to the clean run's (goal: within 10%).
 
     python benchmarks/chaos_training.py [--steps 40] [--every-min 120] [--every-max 240]
         [--seed 1] [--extra "--warmup-steps 50"]
+    python benchmarks/chaos_training.py --policy-ranks 2 --victim policy-rank --rank 1 \
+        --max-kills 3 --steps 200 --every-min 40 --every-max 60 \
+        --extra "--warmup-steps 60 --eval-every 50 --eval-size 50"
 """
 
 from __future__ import annotations
@@ -82,17 +91,96 @@ def _killer(driver: psutil.Process, metrics: Path, every: tuple[float, float], s
         stop.wait(0.2)
 
 
+def _rank_pid(driver: psutil.Process, rank: int, known: dict[int, int]) -> int | None:
+    """The pid of policy rank ``rank`` of the run: the newest started process whose title
+    named it (``known`` keeps pid -> rank from earlier looks), if it is still alive."""
+    prefix = f"ray::grpo_policy_{driver.pid}:"
+    for proc, title in titled_descendants(driver):
+        if title.startswith(prefix):
+            known[proc.pid] = int(title[len(prefix) :].split(":", 1)[0])
+    started = []
+    for pid, r in known.items():
+        try:
+            if r == rank:
+                started.append((psutil.Process(pid).create_time(), pid))
+        except psutil.Error:  # gone: a killed rank, or a group shut down
+            continue
+    return max(started)[1] if started else None
+
+
+def _in_train(pid: int) -> bool:
+    try:
+        return " ".join(psutil.Process(pid).cmdline()).rstrip().endswith(".train")
+    except psutil.Error:
+        return False
+
+
+def _rank_killer(driver: psutil.Process, metrics: Path, args: argparse.Namespace,
+                 stop: threading.Event, kills: list[tuple[float, str, int]], t0: float,
+                 wall: list[float]) -> None:  # fmt: skip
+    """SIGKILL policy rank ``args.rank`` while it is inside ``train``, every ``--every-min``
+    to ``--every-max`` seconds from the end of the first step on; a rank not seen in
+    ``train`` within ``--mid-step-deadline`` seconds is tried again at the next turn. At
+    most ``--max-kills`` kills (a run's restart budget, ``--max-restarts``, is 3 by default)."""
+    rng = random.Random(args.seed)
+    known: dict[int, int] = {}
+    while not stop.is_set() and not _first_step_done(metrics):
+        _rank_pid(driver, args.rank, known)  # its start-up title passes only once
+        stop.wait(0.05)
+    next_at = time.perf_counter() + rng.uniform(args.every_min, args.every_max)
+    while not stop.is_set() and (args.max_kills is None or len(kills) < args.max_kills):
+        pid = _rank_pid(driver, args.rank, known)
+        if pid is None or time.perf_counter() < next_at:
+            stop.wait(0.05)
+            continue
+        deadline = time.perf_counter() + args.mid_step_deadline
+        while not stop.is_set() and time.perf_counter() < deadline and not _in_train(pid):
+            time.sleep(0.001)  # polling a title, not waiting for an effect
+        if _in_train(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                wall.append(time.time())
+                kills.append((time.perf_counter() - t0, f"policy rank {args.rank} in train", pid))
+            except ProcessLookupError:
+                pass
+        next_at = time.perf_counter() + rng.uniform(args.every_min, args.every_max)
+
+
+def per_kill(kills_wall: list[float], recoveries: list[dict]) -> list[dict]:
+    """Each policy kill with the recovery that followed it: seconds from the kill to the
+    recovery row (the step goes on from there), split into worker start-up, state load,
+    refit and the rest."""
+    out = []
+    for at, rec in zip(kills_wall, recoveries, strict=False):
+        total = rec["wall_time"] - at
+        start, load = rec["start_seconds"], rec.get("load_seconds", 0.0)
+        out.append({
+            "step": rec["step"], "repeated": rec["repeated"], "kill_to_resume_s": total,
+            "startup_s": start, "load_s": load, "refit_s": rec["refit_seconds"],
+            "rest_s": total - start - load - rec["refit_seconds"],
+        })  # fmt: skip
+    return out
+
+
 def run_once(chaos: bool, args: argparse.Namespace) -> dict:
     runs_dir = tempfile.mkdtemp(prefix="phalanx_chaos_grpo_")
     name = f"chaos{int(chaos)}_{args.seed}_{os.getpid()}"
     argv = [sys.executable, "-m", "phalanx.cli", "train", "grpo", "--model", "tiny",
             "--steps", str(args.steps), "--seed", str(args.seed), "--name", name,
             "--runs-dir", runs_dir, "--no-progress", *shlex.split(args.extra)]  # fmt: skip
+    if args.policy_ranks is not None:
+        argv += ["--num-policy-workers", str(args.policy_ranks)]
     run_dir = Path(runs_dir) / name
     t0 = time.perf_counter()
     kills: list[tuple[float, str, int]] = []
+    kills_wall: list[float] = []
     killer = None
-    if chaos:
+    if chaos and args.victim == "policy-rank":
+
+        def killer(driver: psutil.Process, stop: threading.Event) -> None:
+            _rank_killer(driver, run_dir / "metrics.jsonl", args, stop, kills, t0, kills_wall)
+
+    elif chaos:
 
         def killer(driver: psutil.Process, stop: threading.Event) -> None:
             every = (args.every_min, args.every_max)
@@ -104,16 +192,21 @@ def run_once(chaos: bool, args: argparse.Namespace) -> dict:
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "reward_mean" in r]
     evals = [r["eval/accuracy"] for r in steps if "eval/accuracy" in r]
+    recoveries = [
+        {"wall_time": r["wall_time"],
+         **{k.removeprefix("recovery/"): v for k, v in r.items() if k.startswith("recovery/")}}
+        for r in rows
+        if "recovery/seconds" in r
+    ]  # fmt: skip
+    step_ids = [r["step"] for r in steps]
     return {
         "chaos": chaos,
         "rc": returncode,
         "wall_s": time.perf_counter() - t0,
         "kills": kills,
-        "recoveries": [
-            {k.removeprefix("recovery/"): v for k, v in r.items() if k.startswith("recovery/")}
-            for r in rows
-            if "recovery/seconds" in r
-        ],
+        "recoveries": recoveries,
+        "per_kill": per_kill(kills_wall, recoveries),
+        "steps_in_order": step_ids == list(range(1, len(step_ids) + 1)),
         "generation_restarts": max((r.get("generation_restarts", 0) for r in steps), default=0),
         "steps": len(steps),
         "median_step_s": statistics.median(r["time/step"] for r in steps) if steps else None,
@@ -131,9 +224,27 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--extra", default="", help="more flags for phalanx train grpo")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    p.add_argument("--policy-ranks", type=int, default=None,
+                   help="policy ranks (FSDP); default: the command's (tiny: 2)")  # fmt: skip
+    p.add_argument("--victim", choices=("any", "policy-rank"), default="any",
+                   help="any: a policy rank or a generation worker in turn, whatever it does; "
+                   "policy-rank: policy rank --rank, inside train")  # fmt: skip
+    p.add_argument("--rank", type=int, default=1, help="the policy rank --victim policy-rank kills")
+    p.add_argument("--max-kills", type=int, default=None,
+                   help="with --victim policy-rank: kills at most (default: no bound)")  # fmt: skip
+    p.add_argument("--mid-step-deadline", type=float, default=30.0,
+                   help="seconds to wait for the rank to be inside train before trying later")  # fmt: skip
     args = p.parse_args()
     if not 0 < args.every_min <= args.every_max:
         p.error(f"--every-min {args.every_min} must be > 0 and <= --every-max {args.every_max}")
+    if args.policy_ranks is not None and args.policy_ranks < 1:
+        p.error(f"--policy-ranks must be >= 1, got {args.policy_ranks}")
+    if args.rank < 0 or (args.policy_ranks is not None and args.rank >= args.policy_ranks):
+        p.error(f"--rank {args.rank} is not a rank of a {args.policy_ranks}-rank policy")
+    if args.max_kills is not None and args.max_kills < 1:
+        p.error(f"--max-kills must be >= 1, got {args.max_kills}")
+    if args.mid_step_deadline <= 0:
+        p.error(f"--mid-step-deadline must be > 0, got {args.mid_step_deadline}")
     results = [run_once(False, args), run_once(True, args)]
     for r in results:
         label = "killed" if r["chaos"] else "clean "
@@ -144,15 +255,25 @@ def main() -> None:
             print(f"  kill at {at:.0f} s: {role} pid {pid}")
         for rec in r["recoveries"]:
             print(f"  recovery at step {rec['step']} ({rec['reason']}; redone: {rec['repeated']}): "
-                  f"{rec['seconds']:.1f} s = shutdown {rec['shutdown_seconds']:.1f} + start and "
-                  f"load {rec['start_seconds']:.1f} + refit {rec['refit_seconds']:.2f}")  # fmt: skip
+                  f"{rec['seconds']:.1f} s = shutdown {rec['shutdown_seconds']:.1f} + start "
+                  f"{rec['start_seconds']:.1f} + load {rec.get('load_seconds', 0.0):.2f} + "
+                  f"refit {rec['refit_seconds']:.2f}")  # fmt: skip
+        for k in r["per_kill"]:
+            print(f"  kill -> step {k['step']} going on ({k['repeated']} redone): "
+                  f"{k['kill_to_resume_s']:.1f} s = worker start-up {k['startup_s']:.1f} + "
+                  f"state load {k['load_s']:.2f} + refit {k['refit_s']:.2f} + "
+                  f"rest {k['rest_s']:.1f}")  # fmt: skip
         if r["chaos"]:
             print(f"  generation restarts {r['generation_restarts']}; steps redone "
-                  f"{len(r['recoveries'])}")  # fmt: skip
+                  f"{len(r['recoveries'])} for {len(r['kills'])} kill(s); step rows 1..N "
+                  f"once each: {r['steps_in_order']}")  # fmt: skip
         if r["rc"] != 0:
             print(f"  stderr: {r['stderr_tail']}")
     clean, killed = results
-    if clean["final_accuracy"] and killed["final_accuracy"] is not None:
+    if killed["rc"] != 0 or killed["steps"] != clean["steps"]:
+        print(f"the killed run did not finish (rc {killed['rc']}, {killed['steps']} of "
+              f"{clean['steps']} steps): no accuracy ratio")  # fmt: skip
+    elif clean["final_accuracy"] and killed["final_accuracy"] is not None:
         ratio = killed["final_accuracy"] / clean["final_accuracy"]
         print(f"RATIO final held-out accuracy killed / clean: {ratio:.3f} (goal within 10%); "
               f"job restarts: 0; every kill recovered: {killed['rc'] == 0}")  # fmt: skip

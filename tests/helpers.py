@@ -1,6 +1,7 @@
 """Helpers the tests share: polling with a deadline (never a sleep as synchronisation),
-which /dev/shm files a process's tensors live in, loading a benchmark script, and killing
-a GRPO run's generation worker after its first step."""
+which /dev/shm files a process's tensors live in, loading a benchmark script, killing a
+GRPO run's generation worker after its first step, and making a policy rank die at a named
+point of a GRPO step."""
 
 from __future__ import annotations
 
@@ -57,6 +58,28 @@ def kill_generation_after_step_1(run_dir: str, killed: list[float]) -> threading
     thread = threading.Thread(target=kill, daemon=True)
     thread.start()
     return thread
+
+
+def die_in_next_train(worker: Any) -> None:
+    """(On a policy rank) end this process at the next training micro-batch."""
+    worker.add_microbatch_hook(lambda: os._exit(1))
+
+
+def die_in_next_refit(worker: Any) -> None:
+    """(On a policy rank) end this process when the next refit asks it for its weights."""
+    worker.write_weights_to_shm = lambda *args, **kwargs: os._exit(1)
+
+
+def kill_plan(plan: dict[int, tuple[Callable[[Any], None], int]]) -> Callable[[int, Any], None]:
+    """A GRPO step hook (``train(on_training=...)``): after step ``s``'s training,
+    ``plan[s] = (fn, rank)`` runs ``fn`` on that rank of the policy group."""
+
+    def on_training(step: int, policy: Any) -> None:
+        if step in plan:
+            fn, rank = plan[step]
+            policy.worker_group.apply(fn, [(rank, (), {})], label=fn.__name__).wait(timeout=60)
+
+    return on_training
 
 
 def shm_files(tensors: Iterable[Any]) -> tuple[set[str], int]:

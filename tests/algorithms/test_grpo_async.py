@@ -1,6 +1,7 @@
 """Asynchronous GRPO: the versioned trajectory buffer, the importance ratio of
 on- and off-policy rows, the config keys, and tiny end-to-end runs (versions per step,
-a generation worker killed mid-run, nothing left behind)."""
+a generation worker killed mid-run, a policy rank killed and relaunched in place,
+nothing left behind)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,14 @@ from phalanx.comm.shm import reap_orphans
 from phalanx.data import BatchedDataDict
 from phalanx.llm.loss import ClippedPGLossConfig, token_logprobs
 from phalanx.llm.policy_config import ConfigError
-from tests.helpers import kill_generation_after_step_1, until
+from phalanx.observe.metrics import read_metrics
+from tests.helpers import (
+    die_in_next_refit,
+    die_in_next_train,
+    kill_generation_after_step_1,
+    kill_plan,
+    until,
+)
 
 
 def _rows(n: int, tag: float) -> BatchedDataDict:
@@ -221,6 +229,60 @@ def test_generation_worker_killed_mid_run_within_and_beyond_max_failures(cluster
         train(_tiny_async(run_dir, max_generation_failures=0), cluster)
     killer.join(5)
     assert killed
+    assert until(lambda: not _our_actors(), 30), _our_actors()
+
+
+def _optimizer_steps(checkpoint: str) -> tuple[int, float]:
+    """(the scheduler's step count, Adam's step count) saved in a GRPO checkpoint."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = checkpoint + ".optim.pt"
+    dcp_to_torch_save(os.path.join(checkpoint, "optim"), out)
+    saved = torch.load(out, weights_only=False)
+    adam = {float(s["step"]) for s in saved["optim"]["state"].values()}
+    assert len(adam) == 1, adam  # every parameter stepped together
+    return saved["scheduler"]["last_epoch"], adam.pop()
+
+
+@pytest.mark.slow(reason="an asynchronous GRPO run with two policy relaunches")
+@pytest.mark.timeout(600)
+def test_policy_rank_killed_in_async_grpo_is_relaunched_in_place(cluster, tmp_path):
+    """A policy rank dies inside ``train`` (step 2) and inside the refit (step 3) while the
+    collector generates ahead: each time the policy group is relaunched from the state
+    kept after the previous step, the recovery row is written, and the run goes on with
+    one optimizer step per GRPO step (none repeated, none skipped) and no batch dropped."""
+    run_dir = str(tmp_path / "run")
+    plan = {1: (die_in_next_train, 1), 3: (die_in_next_refit, 0)}
+    cfg = _tiny_async(run_dir, steps=4, num_policy_workers=2, checkpoint_every=1)
+    hist = train(cfg, cluster, on_training=kill_plan(plan))["history"]
+
+    recoveries = [r for r in read_metrics(run_dir) if "recovery/seconds" in r]
+    assert [
+        {k: r[k] for k in ("step", "recovery/group", "recovery/rank", "recovery/repeated")}
+        for r in recoveries
+    ] == [
+        {"step": 2, "recovery/group": "policy", "recovery/rank": 1,
+         "recovery/repeated": "log-probs and training"},
+        {"step": 3, "recovery/group": "policy", "recovery/rank": 0,
+         "recovery/repeated": "refit"},
+    ]  # fmt: skip
+    for r in recoveries:  # the relaunched ranks read the kept state as they start
+        parts = r["recovery/start_seconds"] + r["recovery/load_seconds"]
+        assert r["recovery/load_seconds"] > 0 and parts < r["recovery/seconds"], r
+    assert [h["step"] for h in hist] == [1, 2, 3, 4]
+    assert [h["policy_restarts"] for h in hist] == [0, 1, 2, 2]
+    for h in hist:
+        assert h["async/trajectory_version"] in (max(h["step"] - 2, 0), h["step"] - 1), h
+        assert h["async/dropped_stale"] == 0 and h["async/generation_failures"] == 0
+    steps = [
+        _optimizer_steps(os.path.join(run_dir, "checkpoints", f"step_{s}")) for s in (1, 2, 3, 4)
+    ]
+    assert [sched for sched, _ in steps] == [1, 2, 3, 4]
+    first_adam = steps[0][1]
+    assert [adam for _, adam in steps] == [first_adam + i for i in range(4)]
+    assert not any(
+        p.startswith(f"phalanx-recovery-{os.getpid()}-") for p in os.listdir("/dev/shm")
+    ), "the kept state outlived the run"
     assert until(lambda: not _our_actors(), 30), _our_actors()
 
 

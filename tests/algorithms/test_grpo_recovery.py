@@ -5,7 +5,7 @@ nobody disturbed. Past ``max_restarts`` the run ends with the death's error (exi
 and a folder that resumes.
 
 A rank dies by its own hand at a named point (``os._exit`` installed on that rank by the
-step hook ``train(on_training=...)``), never after a sleep.
+step hook ``train(on_training=...)``: ``tests.helpers.kill_plan``), never after a sleep.
 """
 
 from __future__ import annotations
@@ -23,28 +23,7 @@ from phalanx.algorithms.grpo import GRPOConfig, train
 from phalanx.algorithms.grpo_recovery import PolicyRecovery, RestartBudgetSpentError
 from phalanx.algorithms.grpo_run import latest_checkpoint
 from phalanx.observe.metrics import read_metrics
-
-
-def _die_in_next_train(worker: Any) -> None:
-    """(On a policy rank) end this process at the next training micro-batch."""
-    worker.add_microbatch_hook(lambda: os._exit(1))
-
-
-def _die_in_next_refit(worker: Any) -> None:
-    """(On a policy rank) end this process when the next refit asks it for its weights."""
-    worker.write_weights_to_shm = lambda *args, **kwargs: os._exit(1)
-
-
-def _kill_plan(plan: dict[int, tuple[Any, int]]) -> Any:
-    """A step hook: after step ``s``'s training, ``plan[s] = (fn, rank)`` runs ``fn`` on
-    that rank of the policy group."""
-
-    def on_training(step: int, policy: Any) -> None:
-        if step in plan:
-            fn, rank = plan[step]
-            policy.worker_group.apply(fn, [(rank, (), {})], label=fn.__name__).wait(timeout=60)
-
-    return on_training
+from tests.helpers import die_in_next_refit, die_in_next_train, kill_plan
 
 
 def _cfg(run_dir: Path, **overrides: Any) -> GRPOConfig:
@@ -87,8 +66,8 @@ def test_policy_rank_killed_in_training_and_in_refit_ends_with_undisturbed_weigh
     cluster, tmp_path
 ):
     calm = train(_cfg(tmp_path / "calm"), cluster)
-    plan = {1: (_die_in_next_train, 1), 3: (_die_in_next_refit, 0)}
-    hit = train(_cfg(tmp_path / "hit"), cluster, on_training=_kill_plan(plan))
+    plan = {1: (die_in_next_train, 1), 3: (die_in_next_refit, 0)}
+    hit = train(_cfg(tmp_path / "hit"), cluster, on_training=kill_plan(plan))
 
     assert _recoveries(tmp_path / "hit") == [
         {"step": 2, "recovery/group": "policy", "recovery/rank": 1,
@@ -96,6 +75,10 @@ def test_policy_rank_killed_in_training_and_in_refit_ends_with_undisturbed_weigh
         {"step": 3, "recovery/group": "policy", "recovery/rank": 0,
          "recovery/repeated": "refit"},
     ]  # fmt: skip
+    for r in read_metrics(tmp_path / "hit"):  # the relaunched ranks read the kept state
+        if "recovery/seconds" in r:
+            parts = r["recovery/start_seconds"] + r["recovery/load_seconds"]
+            assert r["recovery/load_seconds"] > 0 and parts < r["recovery/seconds"], r
     assert [h["step"] for h in hit["history"]] == [1, 2, 3]
     assert [h["policy_restarts"] for h in hit["history"]] == [0, 1, 2]
     assert [h["policy_restarts"] for h in calm["history"]] == [0, 0, 0]
@@ -118,7 +101,7 @@ def test_a_death_past_max_restarts_ends_the_run_with_exit_4_and_a_resumable_fold
 ):
     run_dir = tmp_path / "run"
     cfg = _cfg(run_dir, max_restarts=1)
-    on_training = _kill_plan({1: (_die_in_next_train, 1), 2: (_die_in_next_train, 0)})
+    on_training = kill_plan({1: (die_in_next_train, 1), 2: (die_in_next_train, 0)})
     errors: list[BaseException] = []
 
     def body() -> int:
@@ -159,6 +142,29 @@ def test_a_death_past_max_restarts_ends_the_run_with_exit_4_and_a_resumable_fold
     assert [h["step"] for h in resumed["history"]] == [3]
     steps = [r["step"] for r in read_metrics(run_dir) if "reward_mean" in r]
     assert steps == [1, 2, 3]
+
+
+@pytest.mark.timeout(60)
+def test_chaos_benchmark_splits_each_kill_into_start_up_load_refit_and_rest(monkeypatch):
+    """benchmarks/chaos_training.py pairs each kill with the recovery row after it; the
+    kill's time to that row is worker start-up + state load + refit + the rest."""
+    from tests.helpers import BENCHMARKS, benchmark_module
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its sibling _common
+    chaos = benchmark_module("chaos_training")
+    rows = [
+        {"wall_time": 130.0, "step": 3, "repeated": "log-probs and training",
+         "start_seconds": 25.0, "load_seconds": 1.5, "refit_seconds": 0.25},
+        {"wall_time": 260.5, "step": 9, "repeated": "refit",
+         "start_seconds": 19.0, "load_seconds": 1.0, "refit_seconds": 0.5},
+    ]  # fmt: skip
+    assert chaos.per_kill([100.0, 240.0], rows) == [
+        {"step": 3, "repeated": "log-probs and training", "kill_to_resume_s": 30.0,
+         "startup_s": 25.0, "load_s": 1.5, "refit_s": 0.25, "rest_s": 3.25},
+        {"step": 9, "repeated": "refit", "kill_to_resume_s": 20.5,
+         "startup_s": 19.0, "load_s": 1.0, "refit_s": 0.5, "rest_s": 0.0},
+    ]  # fmt: skip
+    assert chaos.per_kill([100.0, 240.0], rows[:1])[0]["step"] == 3  # a kill not recovered
 
 
 @pytest.mark.timeout(60)
