@@ -266,7 +266,7 @@ def test_policy_rank_killed_in_async_grpo_is_relaunched_in_place(cluster, tmp_pa
         {"step": 3, "recovery/group": "policy", "recovery/rank": 0,
          "recovery/repeated": "refit"},
     ]  # fmt: skip
-    for r in recoveries:  # the relaunched ranks read the kept state as they start
+    for r in recoveries:  # the relaunched ranks restore the kept state once started
         parts = r["recovery/start_seconds"] + r["recovery/load_seconds"]
         assert r["recovery/load_seconds"] > 0 and parts < r["recovery/seconds"], r
     assert [h["step"] for h in hist] == [1, 2, 3, 4]
