@@ -20,6 +20,7 @@ sys.path.insert(0, KIT)
 import _common  # noqa: E402
 import bench_generate  # noqa: E402
 import bench_grpo  # noqa: E402
+import bench_refit  # noqa: E402
 import bench_train  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -104,6 +105,19 @@ def test_generate_benchmark_compares_the_same_batch(tiny_model, capsys):
     assert (rec["rows"], rec["new_tokens"], rec["prompt_len"]) == (6, 5, 4)
     assert rec["phalanx_tokens_per_s"] > 0 and rec["hf_tokens_per_s"] > 0
     assert "RATIO phalanx_generate/hf_generate = " in capsys.readouterr().out
+
+
+def test_refit_benchmark_times_the_first_refit_apart(tiny_model, dist_env, capsys):
+    rec = bench_refit.main(["--model", tiny_model, "--repeats", "2"])
+    assert rec["transport"] == "shm" and rec["device"] == "cpu" and rec["repeats"] == 2
+    assert rec["ratio"] == pytest.approx(rec["refit_s"] / rec["floor_s"], rel=0.01)
+    for key in ("refit_s", "prepare_s", "handles_s", "update_s", "cold_refit_s"):
+        assert rec[key] > 0, key
+    out = capsys.readouterr().out
+    assert "PARTS cold: prepare " in out and "PARTS steady: prepare " in out
+    assert "RATIO refit_ipc/d2d_copy = " in out
+    with pytest.raises(SystemExit):
+        bench_refit.main(["--repeats", "0"])
 
 
 def test_grpo_report_takes_medians_after_the_first_step():
