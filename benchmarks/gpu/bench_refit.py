@@ -7,12 +7,12 @@ The policy (``DTensorPolicyWorker``, bf16, this process) hands its weights to an
 call to the generator's answer. The first refit (cold: the policy allocates its refit
 buffer, the generator maps it) is timed apart from the next ``--repeats`` (steady: the
 same buffer and mapping), whose medians make the ratio. The floor is one
-device-to-device ``copy_`` of the same bytes in one process. Prints
-``RATIO refit_ipc/d2d_copy``, and a ``PARTS`` line per kind of refit: prepare, pack (the
-policy's ``get_weights_ipc_handles``), update (the generator's copy) and the rest (the
-handles' trip between processes). Without CUDA the same runs through shared memory
-against one host memory copy (the CPU path of the same methods).
-``--model``: a folder or an architecture of ``configs/`` (e.g. ``qwen2.5-1.5b``).
+device-to-device ``copy_`` of the same bytes (the packed weights, tied ones once) in one
+process. Prints ``RATIO refit_ipc/d2d_copy``, and a ``PARTS`` line per kind of refit:
+prepare, pack (the policy's ``get_weights_ipc_handles``), update (the generator's copy)
+and other (the handles' trip between processes and the answer's). Without CUDA the same
+runs through shared memory against one host memory copy (the CPU path of the same
+methods). ``--model``: a folder or an architecture of ``configs/`` (e.g. ``qwen2.5-1.5b``).
 """
 
 from __future__ import annotations
@@ -82,7 +82,10 @@ def main(argv: list[str] | None = None) -> dict:
     worker = px.DTensorPolicyWorker(
         cfg, tokenizer, init_optimizer=False, init_reference_model=False
     )
-    phases: dict[str, list[float]] = {"refit": [], "prepare": [], "pack": [], "update": []}
+    last: dict = {}  # the handles of the latest refit
+    phases: dict[str, list[float]] = {
+        k: [] for k in ("refit", "prepare", "pack", "update", "other")
+    }
     try:
         if out_q.get(timeout=300) != "ready":
             raise RuntimeError("generator did not start")
@@ -93,6 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
             t1 = time.perf_counter()
             handles = worker.get_weights_ipc_handles([k for k, _ in info])
             t2 = time.perf_counter()
+            last.clear()
+            last.update(handles)
             in_q.put(handles)
             ok, update_s = out_q.get(timeout=300)
             t3 = time.perf_counter()
@@ -102,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
             phases["prepare"].append(t1 - t0)
             phases["pack"].append(t2 - t1)
             phases["update"].append(update_s)
+            phases["other"].append(t3 - t2 - update_s)  # the handles' trip and the answer's
 
         for _ in range(1 + args.repeats):
             refit()
@@ -112,7 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
             torch.testing.assert_close(
                 torch.from_numpy(v), state[k][:4].to(torch.bfloat16).float(), rtol=0, atol=0
             )
-        nbytes = sum(n for _, n in worker.prepare_weights_for_ipc()[0])
+        (handle,) = last.values()
+        nbytes = handle["layout"].total_bytes  # what a refit moves: tied weights once
     finally:
         worker.shutdown()
         proc.join(60)
@@ -125,11 +132,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     parts: dict[str, dict[str, float]] = {}
     for kind, pick in (("cold", lambda xs: xs[0]), ("steady", lambda xs: _median(xs[1:]))):
-        got_parts = {k: pick(v) for k, v in phases.items()}
-        total = got_parts.pop("refit")
-        got_parts["other"] = total - sum(got_parts.values())
-        print(_parts_line(kind, got_parts), flush=True)
-        parts[kind] = {"refit": total, **got_parts}
+        parts[kind] = {k: pick(v) for k, v in phases.items()}
+        print(_parts_line(kind, {k: v for k, v in parts[kind].items() if k != "refit"}), flush=True)
     steady, cold = parts["steady"], parts["cold"]
     return report(
         "bench_refit",

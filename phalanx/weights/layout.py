@@ -139,7 +139,7 @@ def gather(
             continue
         seen[key] = name
         out_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        nbytes = t.numel() * torch.empty((), dtype=out_dtype).element_size()
+        nbytes = t.numel() * out_dtype.itemsize
         specs.append(TensorSpec(name, tuple(t.shape), _dtype_name(out_dtype), offset, nbytes))
         sources.append(t)
         offset += -(-nbytes // ALIGN) * ALIGN

@@ -81,3 +81,26 @@ def test_bad_arguments_are_named():
         buf.pack(layout, sources[:2])
     with pytest.raises(ValueError, match="kind must be 'shm' or 'cuda_ipc'"):
         mapped_views(Reader(), {"kind": "pipe", "layout": layout})
+
+
+def test_a_shared_memory_handle_packed_elsewhere_is_mapped_once_per_segment():
+    from phalanx.weights import ShmSegment, pack_state_dict
+
+    layout, _ = gather(_named(1))
+    name = f"px_test_refit_{os.getpid()}"
+    segments = [ShmSegment(layout.total_bytes, name=name)]
+    reader = Reader()
+    handle = {"kind": "shm", "name": name, "layout": layout}
+    try:
+        pack_state_dict(_named(1), out=segments[0].tensor)
+        first = mapped_views(reader, handle)
+        pack_state_dict(_named(2), out=segments[0].tensor)  # rewritten in place
+        assert mapped_views(reader, handle) is first
+        assert torch.equal(first["b"], _named(2)["b"])
+        segments[0].unlink()  # made again under the same name: another buffer
+        segments.append(ShmSegment(layout.total_bytes, name=name))
+        pack_state_dict(_named(3), out=segments[1].tensor)
+        again = mapped_views(reader, handle)
+        assert again is not first and torch.equal(again["b"], _named(3)["b"])
+    finally:
+        segments[-1].unlink()

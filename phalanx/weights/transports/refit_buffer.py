@@ -20,6 +20,7 @@ generate, then train, then refit) keep that order.
 
 from __future__ import annotations
 
+import os
 import uuid
 import warnings
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from phalanx.comm.cuda_ipc import open_handle, share
-from phalanx.comm.shm import Segment
+from phalanx.comm.shm import Segment, segment_path
 from phalanx.weights.layout import Layout, views
 from phalanx.worker.weights_state import receiver_state
 
@@ -114,12 +115,13 @@ class RefitBuffer:
 
 
 def _buffer_id(handle: dict[str, Any]) -> str | None:
-    """The id of the buffer behind ``handle``: its ``buffer`` entry, a segment's name for
-    shared-memory handles packed elsewhere, None for a CUDA IPC handle without one."""
+    """The id of the buffer behind ``handle``: its ``buffer`` entry; for a shared-memory
+    handle packed elsewhere, its segment's name and inode (a segment made again under the
+    same name is another buffer); None for a CUDA IPC handle without one."""
     if "buffer" in handle:
         return str(handle["buffer"])
     if handle["kind"] == "shm":
-        return f"shm:{handle['name']}"
+        return f"shm:{handle['name']}:{os.stat(segment_path(handle['name'])).st_ino}"
     return None
 
 
@@ -129,13 +131,17 @@ def mapped_views(worker: Any, handle: dict[str, Any]) -> dict[str, torch.Tensor]
     The mapping (and the views) stay on ``worker`` for the next version in the same buffer;
     a handle of another buffer (the sender's layout changed) releases the old one first. A
     CUDA IPC handle without a ``buffer`` id (not from ``RefitBuffer``) is opened for this
-    call only.
+    call only; ``worker`` may then be None.
     """
     kind = handle.get("kind")
     if kind not in ("shm", "cuda_ipc"):
         raise ValueError(f"handle: kind must be 'shm' or 'cuda_ipc', got {kind!r}")
     layout = handle["layout"]
     buffer = _buffer_id(handle)
+    if buffer is None:
+        if worker is not None:
+            forget_mapping(worker)
+        return views(open_handle(handle), layout)
     scratch = receiver_state(worker).scratch
     cached = scratch.get(_CACHE)
     if cached is not None and cached["buffer"] == buffer:
@@ -144,8 +150,6 @@ def mapped_views(worker: Any, handle: dict[str, Any]) -> dict[str, torch.Tensor]
             cached["key"] = layout_key(layout)
         return cached["views"]
     scratch.pop(_CACHE, None)  # the old buffer's mapping goes with its last reference
-    if buffer is None:
-        return views(open_handle(handle), layout)
     if kind == "shm":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only: never written here
