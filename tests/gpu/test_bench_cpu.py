@@ -110,7 +110,8 @@ def test_generate_benchmark_compares_the_same_batch(tiny_model, capsys):
 def test_refit_benchmark_times_the_first_refit_apart(tiny_model, dist_env, capsys):
     rec = bench_refit.main(["--model", tiny_model, "--repeats", "2"])
     assert rec["transport"] == "shm" and rec["device"] == "cpu" and rec["repeats"] == 2
-    assert rec["ratio"] == pytest.approx(rec["refit_s"] / rec["floor_s"], rel=0.01)
+    # the steady median over the floor (both rounded to 0.1 us in the record)
+    assert rec["ratio"] == pytest.approx(rec["refit_s"] / rec["floor_s"], rel=0.05)
     for key in ("refit_s", "prepare_s", "handles_s", "update_s", "cold_refit_s"):
         assert rec[key] > 0, key
     out = capsys.readouterr().out
