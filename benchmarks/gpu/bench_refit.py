@@ -3,10 +3,16 @@
 The policy (``DTensorPolicyWorker``, bf16, this process) hands its weights to an
 ``HFGenerationWorker`` in another process on the same GPU with NeMo-RL's methods:
 ``prepare_weights_for_ipc`` and ``get_weights_ipc_handles`` on the policy,
-``update_weights_from_ipc_handles`` on the generator. One refit is timed from the first
-call to the generator's answer. The floor is one device-to-device ``copy_`` of the same
-bytes in one process. Prints ``RATIO refit_ipc/d2d_copy`` and each phase's seconds.
-``--model``: a folder or an architecture of ``configs/`` (e.g. ``qwen2.5-1.5b``).
+``update_weights_from_ipc_handles`` on the generator. A refit is timed from the first
+call to the generator's answer. The first refit (cold: the policy allocates its refit
+buffer, the generator maps it) is timed apart from the next ``--repeats`` (steady: the
+same buffer and mapping), whose medians make the ratio. The floor is one
+device-to-device ``copy_`` of the same bytes (the packed weights, tied ones once) in one
+process. Prints ``RATIO refit_ipc/d2d_copy``, and a ``PARTS`` line per kind of refit:
+prepare, pack (the policy's ``get_weights_ipc_handles``), update (the generator's copy)
+and other (the handles' trip between processes and the answer's). Without CUDA the same
+runs through shared memory against one host memory copy (the CPU path of the same
+methods). ``--model``: a folder or an architecture of ``configs/`` (e.g. ``qwen2.5-1.5b``).
 """
 
 from __future__ import annotations
@@ -39,6 +45,15 @@ def generator(path: str, in_q, out_q) -> None:
     out_q.put({k: v[:4].float().cpu().numpy() for k, v in worker.model.state_dict().items()})
 
 
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def _parts_line(kind: str, parts: dict[str, float]) -> str:
+    shown = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in parts.items())
+    return f"PARTS {kind}: {shown}"
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
@@ -46,12 +61,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_refit: needs CUDA (CUDA IPC)")
     from transformers import AutoTokenizer
 
     import phalanx as px
 
+    cuda = torch.cuda.is_available()
     path = model_path(args.model, tempfile.mkdtemp(prefix="bench_refit_"))
     tokenizer = AutoTokenizer.from_pretrained(path)
     ctx = torch.multiprocessing.get_context("spawn")
@@ -68,7 +82,10 @@ def main(argv: list[str] | None = None) -> dict:
     worker = px.DTensorPolicyWorker(
         cfg, tokenizer, init_optimizer=False, init_reference_model=False
     )
-    phases: dict[str, list[float]] = {"prepare": [], "handles": [], "update": []}
+    last: dict = {}  # the handles of the latest refit
+    phases: dict[str, list[float]] = {
+        k: [] for k in ("refit", "prepare", "pack", "update", "other")
+    }
     try:
         if out_q.get(timeout=300) != "ready":
             raise RuntimeError("generator did not start")
@@ -79,15 +96,21 @@ def main(argv: list[str] | None = None) -> dict:
             t1 = time.perf_counter()
             handles = worker.get_weights_ipc_handles([k for k, _ in info])
             t2 = time.perf_counter()
+            last.clear()
+            last.update(handles)
             in_q.put(handles)
             ok, update_s = out_q.get(timeout=300)
+            t3 = time.perf_counter()
             if ok is not True:
                 raise RuntimeError("update_weights_from_ipc_handles did not return True")
+            phases["refit"].append(t3 - t0)
             phases["prepare"].append(t1 - t0)
-            phases["handles"].append(t2 - t1)
+            phases["pack"].append(t2 - t1)
             phases["update"].append(update_s)
+            phases["other"].append(t3 - t2 - update_s)  # the handles' trip and the answer's
 
-        ipc = timed(refit, args.repeats)
+        for _ in range(1 + args.repeats):
+            refit()
         in_q.put(None)
         got = out_q.get(timeout=300)
         state = worker.return_full_state_dict()
@@ -95,31 +118,41 @@ def main(argv: list[str] | None = None) -> dict:
             torch.testing.assert_close(
                 torch.from_numpy(v), state[k][:4].to(torch.bfloat16).float(), rtol=0, atol=0
             )
-        nbytes = sum(n for _, n in worker.prepare_weights_for_ipc()[0])
+        (handle,) = last.values()
+        nbytes = handle["layout"].total_bytes  # what a refit moves: tied weights once
     finally:
         worker.shutdown()
         proc.join(60)
         if proc.is_alive():
             proc.kill()
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
     dst = torch.empty_like(src)
     floor = timed(lambda: dst.copy_(src), args.repeats)
     sync()
 
-    def median(xs: list[float]) -> float:
-        return round(sorted(xs)[len(xs) // 2], 5)
-
+    parts: dict[str, dict[str, float]] = {}
+    for kind, pick in (("cold", lambda xs: xs[0]), ("steady", lambda xs: _median(xs[1:]))):
+        parts[kind] = {k: pick(v) for k, v in phases.items()}
+        print(_parts_line(kind, {k: v for k, v in parts[kind].items() if k != "refit"}), flush=True)
+    steady, cold = parts["steady"], parts["cold"]
     return report(
         "bench_refit",
         "refit_ipc/d2d_copy",
-        ipc / floor,
+        steady["refit"] / floor,
         model=os.path.basename(path.rstrip("/")),
+        transport="cuda_ipc" if cuda else "shm",
         mib=round(nbytes / (1 << 20), 1),
-        refit_s=round(ipc, 5),
-        floor_s=round(floor, 5),
-        prepare_s=median(phases["prepare"]),
-        handles_s=median(phases["handles"]),
-        update_s=median(phases["update"]),
+        refit_s=round(steady["refit"], 7),
+        floor_s=round(floor, 7),
+        prepare_s=round(steady["prepare"], 7),
+        handles_s=round(steady["pack"], 7),
+        update_s=round(steady["update"], 7),
+        other_s=round(steady["other"], 7),
+        repeats=args.repeats,
+        cold_refit_s=round(cold["refit"], 7),
+        cold_prepare_s=round(cold["prepare"], 7),
+        cold_handles_s=round(cold["pack"], 7),
+        cold_update_s=round(cold["update"], 7),
     )
 
 

@@ -185,7 +185,11 @@ class GenerationRefitMixin:
         """Open the handles of ``DTensorPolicyWorker.get_weights_ipc_handles`` and copy in.
 
         ``handles`` maps a device id to a handle; this worker uses the one of its own
-        device (a GPU's UUID, or the host on CPU).
+        device (a GPU's UUID, or the host on CPU). A handle's buffer is mapped once and
+        kept for the next refit through the same buffer; a handle of a new buffer (the
+        sender's layout changed) releases the old mapping. The copy into the weights is
+        one multi-tensor copy, finished (the device synchronized) before this returns, so
+        the sender may then rewrite its buffer.
 
         Args:
             handles: a dict from device id to handle.
@@ -196,7 +200,7 @@ class GenerationRefitMixin:
         Raises:
             ValueError: ``handles`` is empty or has no handle for this worker's device.
         """
-        from phalanx.weights import open_handle, open_views, views
+        from phalanx.weights import mapped_views
 
         if not isinstance(handles, dict) or not handles:
             raise ValueError("update_weights_from_ipc_handles: handles must be a non-empty dict")
@@ -207,12 +211,9 @@ class GenerationRefitMixin:
                 f"update_weights_from_ipc_handles: no handle for this worker's device {own!r} "
                 f"(have {sorted(handles)}); IPC works on the same node/GPU only"
             )
-        layout = handle["layout"]
-        if handle["kind"] == "shm":
-            return self._apply(layout, open_views(self, handle["name"], layout))
-        flat = open_handle(handle)
-        ok = self._apply(layout, views(flat, layout))
-        torch.cuda.synchronize()
+        ok = self._apply(handle["layout"], mapped_views(self, handle))
+        if handle["kind"] == "cuda_ipc":
+            torch.cuda.synchronize()  # the copy is done: the sender may rewrite its buffer
         return ok
 
     def _device_id(self) -> str:

@@ -54,8 +54,7 @@ class RefitSource:
         self.rank = rank
         self._device_id = device_id
         self._held_refit: dict[str, torch.Tensor] | None = None
-        self._ipc_buffers: list[torch.Tensor] = []
-        self._shm_segment: Any = None
+        self._ipc_buffer: Any = None  # RefitBuffer of get_weights_ipc_handles
         self._refit_segment: Any = None
         self._refit_layout: tuple[Any, Any] | None = None
         self._one_node: bool | None = None
@@ -72,23 +71,33 @@ class RefitSource:
             return self.model.state_dict()
         return merged_state_dict(self.peft_model) if merged else base_state_dict(self.peft_model)
 
+    @torch.no_grad()
     def _full_refit_state(self) -> dict[str, torch.Tensor]:
         """``_refit_state()`` gathered into full tensors (a collective). A refit only reads
-        them before the next step, so an unsharded tensor is returned as is, not copied."""
-        return {k: whole_tensor(v).detach() for k, v in self._refit_state().items()}
+        them before the next step, so a tensor that is whole on this rank (world size 1)
+        is returned as is, not copied. Without LoRA the parameters are taken as they are
+        (``keep_vars``) and detached once here, which spares ``state_dict`` a detach per
+        sharded tensor."""
+        if self.peft_model is None:
+            reshard(self.model)
+            state = self.model.state_dict(keep_vars=True)
+        else:
+            state = self._refit_state()
+        return {k: whole_tensor(v).detach() for k, v in state.items()}
 
     def release_refit_buffers(self) -> None:
-        """Drop the weights held for IPC handles (receivers have copied them)."""
+        """Drop the weights held for IPC handles (receivers have copied them). The packed
+        buffer of ``get_weights_ipc_handles`` stays for the next refit (``close`` frees it)."""
         self._held_refit = None
-        self._ipc_buffers = []
 
     def close(self) -> None:
         """Release every refit buffer and unlink the segments this rank created."""
         self.release_refit_buffers()
-        for seg in (self._shm_segment, self._refit_segment):
-            if seg is not None and self.rank == 0:
-                seg.unlink()
-        self._shm_segment = self._refit_segment = None
+        if self._ipc_buffer is not None:
+            self._ipc_buffer.release()
+        if self._refit_segment is not None and self.rank == 0:
+            self._refit_segment.unlink()
+        self._ipc_buffer = self._refit_segment = None
         self._refit_maps = {}
 
     @torch.no_grad()
@@ -103,8 +112,12 @@ class RefitSource:
             return check_sizes(float(self.cfg["refit_buffer_size_gb"]) * 1024)
         return check_sizes(self.cfg.get("refit_buffer_size_mb", 64))
 
+    @torch.no_grad()
     def prepare_weights_for_ipc(self) -> tuple[list[tuple[str, int]], float]:
-        """Gather the full weights and hold them; ``([(name, nbytes)], free bytes)``."""
+        """Gather the full weights and hold them; ``([(name, nbytes)], free bytes)``.
+
+        At world size 1 nothing is gathered or copied: the held tensors are the parameters.
+        """
         self._held_refit = self._full_refit_state()
         item = torch.empty((), dtype=self.dtype).element_size()
         info = [(k, v.numel() * item) for k, v in self._held_refit.items()]
@@ -116,9 +129,18 @@ class RefitSource:
             free = psutil.virtual_memory().available
         return info, float(free)
 
+    @torch.no_grad()
     def get_weights_ipc_handles(self, keys: Iterable[str]) -> dict[str, Any]:
-        """``{device_id: handle}`` to the held weights ``keys`` (CUDA IPC or shared memory)."""
-        from phalanx.weights import gather
+        """``{device_id: handle}`` to the held weights ``keys`` (CUDA IPC or shared memory).
+
+        The weights are cast and copied into this rank's ``RefitBuffer``: one buffer, on
+        the weights' device, kept for every refit of the same keys, shapes and dtype, so
+        its handle is the same from refit to refit (receivers map it once). The buffer is
+        rewritten in place: call this again only after every receiver returned from
+        ``update_weights_from_ipc_handles`` with the previous handle (a synchronous refit
+        between phases does). Calls with changing ``keys`` reallocate it each time.
+        """
+        from phalanx.weights import RefitBuffer, gather
 
         if self._held_refit is None:
             raise RuntimeError("get_weights_ipc_handles: call prepare_weights_for_ipc first")
@@ -127,18 +149,10 @@ class RefitSource:
         if missing:
             raise KeyError(f"get_weights_ipc_handles: unknown keys {missing[:5]}")
         layout, sources = gather({k: self._held_refit[k] for k in keys}, dtype=self.dtype)
-        if self.device.type == "cuda":
-            from phalanx.weights import ipc_handle, pack_to_cuda
-
-            flat = pack_to_cuda(layout, sources, self.device)
-            self._ipc_buffers = [flat]  # alive until the receivers copied (next refit)
-            handle = {"kind": "cuda_ipc", "layout": layout, **ipc_handle(flat)}
-        else:
-            from phalanx.weights import pack_to_shm
-
-            self._shm_segment = pack_to_shm(layout, sources, self._shm_segment)
-            handle = {"kind": "shm", "layout": layout, "name": self._shm_segment.name}
-        return {self._device_id(): handle}
+        if self._ipc_buffer is None:
+            cuda = self.device.type == "cuda"
+            self._ipc_buffer = RefitBuffer(self.device if cuda else torch.device("cpu"))
+        return {self._device_id(): self._ipc_buffer.pack(layout, sources)}
 
     def pack_weights_for_ipc(self) -> dict[str, Any] | None:
         """Write the weights into a same-node buffer; rank 0 returns the handles."""

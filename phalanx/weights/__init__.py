@@ -47,5 +47,8 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "pack_to_cuda": ".transports.cuda_ipc",
         "ipc_handle": ".transports.cuda_ipc",
         "open_handle": ".transports.cuda_ipc",
+        "RefitBuffer": ".transports.refit_buffer",
+        "mapped_views": ".transports.refit_buffer",
+        "mapped_buffer": ".transports.refit_buffer",
     },
 )

@@ -139,7 +139,7 @@ def gather(
             continue
         seen[key] = name
         out_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        nbytes = t.numel() * torch.empty((), dtype=out_dtype).element_size()
+        nbytes = t.numel() * out_dtype.itemsize
         specs.append(TensorSpec(name, tuple(t.shape), _dtype_name(out_dtype), offset, nbytes))
         sources.append(t)
         offset += -(-nbytes // ALIGN) * ALIGN
@@ -157,7 +157,10 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 def pack_range(
     dst: torch.Tensor, layout: Layout, sources: list[torch.Tensor], start: int, end: int
 ) -> None:
-    """Copy stream bytes ``[start, end)`` into the uint8 tensor ``dst`` (casting on the way)."""
+    """Copy stream bytes ``[start, end)`` into the uint8 tensor ``dst`` (casting on the way),
+    as one multi-tensor copy."""
+    outs: list[torch.Tensor] = []
+    ins: list[torch.Tensor] = []
     for spec, src in zip(layout.specs, sources):
         lo, hi = max(start, spec.offset), min(end, spec.offset + spec.nbytes)
         if lo >= hi:
@@ -166,12 +169,16 @@ def pack_range(
         size = dt.itemsize
         e0, e1 = (lo - spec.offset) // size, (hi - spec.offset) // size
         out = dst[lo - start : hi - start].view(dt)
-        flat = _flat(src)
-        if flat.device != out.device and flat.dtype != dt:
-            flat = flat[e0:e1].to(dt)  # cast on the source device, then move
-            out.copy_(flat)
+        if lo == spec.offset and hi == spec.offset + spec.nbytes:
+            out, part = out.view(src.shape), src  # whole: no flattening copy of a strided src
         else:
-            out.copy_(flat[e0:e1])
+            part = _flat(src)[e0:e1]
+        if part.device != out.device and part.dtype != dt:
+            part = part.to(dt)  # cast on the source device, then move
+        outs.append(out)
+        ins.append(part)
+    if outs:
+        torch._foreach_copy_(outs, ins)
 
 
 def unpack_range(

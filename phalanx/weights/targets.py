@@ -106,14 +106,20 @@ def validate(
 def copy_into(
     targets: dict[str, torch.Tensor], layout: Layout, sources: dict[str, torch.Tensor]
 ) -> None:
-    """Copy every source into its target in place (after ``validate``)."""
+    """Copy every source into its target in place (after ``validate``); whole tensors in
+    one multi-tensor copy."""
     with torch.no_grad():
+        outs: list[torch.Tensor] = []
+        ins: list[torch.Tensor] = []
         for spec in layout.specs:
             src = sources[spec.name]
             if isinstance(src, list):
                 _copy_pieces(targets[spec.name], spec.torch_dtype, src)
             else:
-                targets[spec.name].copy_(src)
+                outs.append(targets[spec.name])
+                ins.append(src)
+        if outs:
+            torch._foreach_copy_(outs, ins)
         copy_aliases(targets, layout)
 
 

@@ -114,23 +114,36 @@ def cpu_logprobs(out_q: Any, model_path: str, data: Any, port: int) -> None:
 
 def generation_receiver(in_q: Any, out_q: Any, model_path: str, prompts: Any) -> None:
     """An ``HFGenerationWorker`` on the GPU: per IPC handle received, refit, then report its
-    weights and greedy generation of ``prompts``; ends on ``None``."""
+    weights, greedy generation of ``prompts``, the address of the buffer it keeps mapped
+    and whether that mapping is the one of the previous refit; ends on ``None``."""
+    import weakref
+
     from transformers import AutoTokenizer
 
     from phalanx.llm.generation import HFGenerationWorker
+    from phalanx.weights import mapped_buffer
 
     cfg = {"model_name": model_path, "max_new_tokens": 6, "temperature": 1.0, "top_p": 1.0}
     worker = HFGenerationWorker(cfg, AutoTokenizer.from_pretrained(model_path))
+    previous = None
     while True:
         handles = in_q.get(timeout=300)
         if handles is None:
             return
         assert worker.update_weights_from_ipc_handles(handles) is True
         out = worker.generate(prompts, greedy=True)
+        mapped = mapped_buffer(worker)
         put_by_value(
             out_q,
-            {"state": worker.get_state_dict(), "out": dict(out), "device": str(worker.device)},
+            {
+                "state": worker.get_state_dict(),
+                "out": dict(out),
+                "device": str(worker.device),
+                "mapped_ptr": mapped.data_ptr(),
+                "same_mapping": previous is not None and previous() is mapped,
+            },
         )
+        previous = weakref.ref(mapped)  # not a reference: a replaced mapping is released
 
 
 def policy_config(model_path: str, **over: Any) -> dict[str, Any]:

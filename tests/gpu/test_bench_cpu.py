@@ -21,6 +21,7 @@ import _common  # noqa: E402
 import bench_generate  # noqa: E402
 import bench_grpo  # noqa: E402
 import bench_keep_state  # noqa: E402
+import bench_refit  # noqa: E402
 import bench_train  # noqa: E402
 
 pytestmark = pytest.mark.timeout(240)
@@ -112,6 +113,20 @@ def test_keep_state_benchmark_times_both_ways_and_leaves_nothing(tiny_model, dis
     assert rec["ratio_name"] == "keep_state/dcp_save" and rec["mib"] > 0
     assert min(rec["keep_s"], rec["first_keep_s"], rec["dcp_save_s"], rec["restore_s"]) > 0
     assert os.listdir(tmp_path) == []  # both ways' files removed
+
+
+def test_refit_benchmark_times_the_first_refit_apart(tiny_model, dist_env, capsys):
+    rec = bench_refit.main(["--model", tiny_model, "--repeats", "2"])
+    assert rec["transport"] == "shm" and rec["device"] == "cpu" and rec["repeats"] == 2
+    # the steady median over the floor (both rounded to 0.1 us in the record)
+    assert rec["ratio"] == pytest.approx(rec["refit_s"] / rec["floor_s"], rel=0.05)
+    for key in ("refit_s", "prepare_s", "handles_s", "update_s", "cold_refit_s"):
+        assert rec[key] > 0, key
+    out = capsys.readouterr().out
+    assert "PARTS cold: prepare " in out and "PARTS steady: prepare " in out
+    assert "RATIO refit_ipc/d2d_copy = " in out
+    with pytest.raises(SystemExit):
+        bench_refit.main(["--repeats", "0"])
 
 
 def test_grpo_report_takes_medians_after_the_first_step():

@@ -76,3 +76,55 @@ def test_generator_refitted_by_cuda_ipc_matches_the_policy(rank0_env, tiny_model
         worker.shutdown()
         if gen.is_alive():
             gen.kill()
+
+
+def test_refits_reuse_one_cuda_buffer_until_the_layout_changes(
+    rank0_env, tiny_model, tiny_tokenizer
+):
+    import phalanx as px
+
+    in_q, out_q = procs.queues(2)
+    gen = procs.start(procs.generation_receiver, in_q, out_q, tiny_model, _prompts(tiny_tokenizer))
+    worker = px.DTensorPolicyWorker(
+        procs.policy_config(tiny_model), tiny_tokenizer, init_optimizer=False
+    )
+
+    def refit(keys=None):
+        info, _ = worker.prepare_weights_for_ipc()
+        handles = worker.get_weights_ipc_handles(keys or [k for k, _ in info])
+        in_q.put(handles)
+        (handle,) = handles.values()
+        return handle, procs.get_by_value(out_q, 240)
+
+    try:
+        sent, got = [], []
+        for seed in (1, 2):
+            worker._add_noise_to_weights(0.05, seed)
+            handle, report = refit()
+            sent.append(handle)
+            got.append(report)
+            full = worker.return_full_state_dict()
+            for k, v in full.items():
+                assert torch.equal(report["state"][k], v), (seed, k)
+        assert sent[0]["kind"] == "cuda_ipc" and sent[1] is sent[0]
+        assert got[1]["same_mapping"] is True  # the generator opened the handle once
+        assert got[1]["mapped_ptr"] == got[0]["mapped_ptr"]
+        assert worker._refit._ipc_buffer.allocations == 1
+
+        by_size = sorted(sent[0]["layout"].specs, key=lambda s: s.nbytes)
+        keep = [s.name for s in by_size[1:]]  # another layout: a new buffer
+        worker._add_noise_to_weights(0.05, 3)
+        handle, report = refit(keep)
+        assert handle["buffer"] != sent[0]["buffer"]
+        assert worker._refit._ipc_buffer.allocations == 2
+        assert report["same_mapping"] is False
+        full = worker.return_full_state_dict()
+        for k in keep:
+            assert torch.equal(report["state"][k], full[k]), k
+        in_q.put(None)
+        gen.join(60)
+        assert gen.exitcode == 0
+    finally:
+        worker.shutdown()
+        if gen.is_alive():
+            gen.kill()

@@ -2,7 +2,9 @@
 
 The sender packs the stream into one CUDA buffer and sends its IPC handle
 (``comm.cuda_ipc``, which names the GPU by UUID since each worker sees its own
-``CUDA_VISIBLE_DEVICES``); a receiver opens the handle and copies device to device.
+``CUDA_VISIBLE_DEVICES``); a receiver opens the handle and copies device to device. A
+handle of a ``RefitBuffer`` (a policy's refit, sent with ``send_prepared``) is opened once
+per buffer and kept (``refit_buffer.mapped_views``); others are opened per version.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from typing import Any
 import torch
 
 from phalanx.comm.cuda_ipc import open_handle, share
-from phalanx.weights.layout import Layout, pack_range, views
+from phalanx.weights.layout import Layout, pack_range
 from phalanx.weights.transports.base import Delivery, SenderHalf
+from phalanx.weights.transports.refit_buffer import mapped_views
 
 ipc_handle = share  # the weights layer's name for it
 
@@ -43,5 +46,5 @@ def receive(
 ) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
     if skip:
         return {}, lambda: None
-    flat = open_handle(payload)
-    return views(flat, layout), lambda: torch.cuda.synchronize()
+    handle = {**payload, "kind": "cuda_ipc", "layout": layout}
+    return mapped_views(worker, handle), lambda: torch.cuda.synchronize()
