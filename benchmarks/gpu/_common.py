@@ -53,6 +53,23 @@ def rank0_env() -> None:
     )
 
 
+def one_rank_policy(path: str, tokenizer: Any, init_optimizer: bool = True) -> Any:
+    """A bf16 ``DTensorPolicyWorker`` of the model at ``path`` as rank 0 of a one-process
+    group in this process (batch sizes of 1: the benchmarks call it directly)."""
+    import phalanx as px
+
+    rank0_env()
+    cfg = {
+        "model_name": path,
+        "precision": "bfloat16",
+        "train_global_batch_size": 1,
+        "train_micro_batch_size": 1,
+    }
+    return px.DTensorPolicyWorker(
+        cfg, tokenizer, init_optimizer=init_optimizer, init_reference_model=False
+    )
+
+
 CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 ARCHS = sorted(f[: -len(".json")] for f in os.listdir(CONFIGS) if f.endswith(".json"))
 

@@ -21,7 +21,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import model_path, rank0_env, report, timed  # noqa: E402
+from _common import model_path, one_rank_policy, report, timed  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -34,21 +34,10 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--repeats must be >= 1")
     from transformers import AutoTokenizer
 
-    import phalanx as px
-
     work = tempfile.mkdtemp(prefix="bench_keep_state_")
     path = model_path(args.model, work)
     root = tempfile.mkdtemp(prefix="bench_keep_state_", dir=args.root)
-    rank0_env()
-    cfg = {
-        "model_name": path,
-        "precision": "bfloat16",
-        "train_global_batch_size": 1,
-        "train_micro_batch_size": 1,
-    }
-    worker = px.DTensorPolicyWorker(
-        cfg, AutoTokenizer.from_pretrained(path), init_reference_model=False
-    )
+    worker = one_rank_policy(path, AutoTokenizer.from_pretrained(path))
     slots = iter(range(10**6))
     saves = iter(range(10**6))
 

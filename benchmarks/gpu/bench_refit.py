@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import model_path, rank0_env, report, sync, timed  # noqa: E402
+from _common import model_path, one_rank_policy, report, sync, timed  # noqa: E402
 
 
 def generator(path: str, in_q, out_q) -> None:
@@ -63,8 +63,6 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--repeats must be >= 1")
     from transformers import AutoTokenizer
 
-    import phalanx as px
-
     cuda = torch.cuda.is_available()
     path = model_path(args.model, tempfile.mkdtemp(prefix="bench_refit_"))
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -72,16 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     in_q, out_q = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=generator, args=(path, in_q, out_q), daemon=True)
     proc.start()
-    rank0_env()
-    cfg = {
-        "model_name": path,
-        "precision": "bfloat16",
-        "train_global_batch_size": 1,
-        "train_micro_batch_size": 1,
-    }
-    worker = px.DTensorPolicyWorker(
-        cfg, tokenizer, init_optimizer=False, init_reference_model=False
-    )
+    worker = one_rank_policy(path, tokenizer, init_optimizer=False)
     last: dict = {}  # the handles of the latest refit
     phases: dict[str, list[float]] = {
         k: [] for k in ("refit", "prepare", "pack", "update", "other")
