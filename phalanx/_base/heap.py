@@ -6,7 +6,9 @@ reallocates its logits, activations and gradients every micro-batch, so each tim
 kernel maps and zeroes those pages again, and on the GRPO policy worker system time and
 page faults become a large share of its CPU time. Serving large blocks from the heap, and not
 trimming it, lets the next micro-batch reuse the same pages. The price: the process keeps
-its peak footprint (its resident size no longer falls between phases).
+its peak footprint (its resident size no longer falls between phases). Reuse depends on
+the heap's layout: in a Ray worker process, where phalanx calls this, a freed block is
+served again; in a bare process, torch's aligned blocks may still be placed on new pages.
 """
 
 from __future__ import annotations

@@ -13,9 +13,13 @@ pytestmark = [
     pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt"),
 ]
 
+# The child is a Ray worker process as phalanx's policy workers are (Ray's core library
+# loaded): reuse depends on the heap's layout, and in a bare torch process torch's aligned
+# 64 MiB blocks may still be served from new pages.
 _CHILD = """
 import resource, sys
 import torch
+import ray._raylet
 from phalanx._base.heap import reuse_freed_memory
 if sys.argv[1] == "reuse":
     assert reuse_freed_memory() is True
