@@ -3,11 +3,11 @@
 After every step's training the policy's state (trainable weights, optimizer, scheduler)
 is kept as the run's last good state: each rank copies it into memory-mapped files of its
 own (``DTensorPolicyWorker.keep_state``), two slots used in turn, so a death while keeping
-one leaves the other whole. A call
-on the policy that meets a dead rank (:class:`~phalanx.WorkerDiedError`, or an error of a
-live rank while another one is dead) then relaunches the whole policy group (its process
-group is rebuilt), loads that state, refits the generators and does the interrupted part
-of the step again with the same batch: nothing is trained twice, nothing is skipped.
+one leaves the other whole. A call on the policy that meets a dead rank
+(:class:`~phalanx.WorkerDiedError`, or an error of a live rank while another one is dead)
+then relaunches the whole policy group (its process group is rebuilt), restores that
+state, refits the generators and does the interrupted part of the step again with the
+same batch: nothing is trained twice, nothing is skipped.
 
 The state lives in ``/dev/shm`` (memory of the driver's node) when every policy rank runs
 on the driver's node, else in the run folder's ``recovery/``; it is removed when the run
