@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -19,10 +20,20 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 def benchmark_module(name: str) -> ModuleType:
     """``benchmarks/<name>.py`` loaded as a module (the benchmarks are scripts, not a
-    package), for tests that check what a benchmark compares."""
-    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    package), for tests that check what a benchmark compares. Its sibling imports
+    (``_common``) come from ``benchmarks/``, also after a test of the GPU kit imported
+    ``benchmarks/gpu/_common.py`` under the same name."""
+    cached = sys.modules.pop("_common", None)
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+        sys.modules.pop("_common", None)
+        if cached is not None:
+            sys.modules["_common"] = cached
     return mod
 
 
