@@ -11,6 +11,7 @@ that dies while writing one leaves the other, the last good state, whole.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ class _Entry:
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -45,13 +46,6 @@ class _Leaf:
     """Where a tensor stood in the state's tree: its index among the tensors."""
 
     index: int
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _flatten(tree: Any, path: str, out: list[tuple[str, Any]]) -> Any:

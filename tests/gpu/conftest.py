@@ -39,15 +39,9 @@ def tiny_tokenizer(tiny_model):
 @pytest.fixture
 def rank0_env(monkeypatch) -> dict[str, str]:
     """The environment of rank 0 of a one-process torch.distributed group."""
-    from tests.gpu.procs import free_port
+    from tests.gpu.procs import rank0_env_vars
 
-    env = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-    }
+    env = rank0_env_vars()
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     return env

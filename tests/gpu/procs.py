@@ -40,6 +40,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def rank0_env_vars() -> dict[str, str]:
+    """The environment of rank 0 of a one-process torch.distributed group, on a free port."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+    }
+
+
 def queues(n: int) -> list[Any]:
     """``n`` spawn-context queues."""
     ctx = torch.multiprocessing.get_context("spawn")

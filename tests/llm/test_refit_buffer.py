@@ -15,7 +15,7 @@ import torch
 from phalanx.llm.generation import HFGenerationWorker
 from phalanx.llm.policy_worker import DTensorPolicyWorker
 from phalanx.weights import mapped_buffer
-from tests.gpu.procs import free_port, policy_config
+from tests.gpu.procs import policy_config, rank0_env_vars
 from tests.helpers import shm_files
 
 pytestmark = pytest.mark.timeout(300)
@@ -24,13 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def pair(model_path, tokenizer):
     """A one-rank CPU policy (gloo) and a generation worker, both in this process."""
-    env = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-    }
+    env = rank0_env_vars()
     threads = torch.get_num_threads()
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
