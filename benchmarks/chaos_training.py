@@ -22,6 +22,8 @@ final accuracy to the clean run's (goal: within 10%).
 
     python benchmarks/chaos_training.py [--steps 40] [--every-min 120] [--every-max 240]
         [--seed 1] [--extra "--warmup-steps 50"]
+    python benchmarks/chaos_training.py --model smollm2-135m-instruct --steps 15 \
+        --extra "--max-restarts 5"       # the README's GRPO command, about 20 minutes a run
     python benchmarks/chaos_training.py --policy-ranks 2 --victim policy-rank --rank 1 \
         --max-kills 3 --steps 200 --every-min 40 --every-max 60 \
         --extra "--warmup-steps 60 --eval-every 50 --eval-size 50"
@@ -165,7 +167,7 @@ def per_kill(kills_wall: list[float], recoveries: list[dict]) -> list[dict]:
 def run_once(chaos: bool, args: argparse.Namespace) -> dict:
     runs_dir = tempfile.mkdtemp(prefix="phalanx_chaos_grpo_")
     name = f"chaos{int(chaos)}_{args.seed}_{os.getpid()}"
-    argv = [sys.executable, "-m", "phalanx.cli", "train", "grpo", "--model", "tiny",
+    argv = [sys.executable, "-m", "phalanx.cli", "train", "grpo", "--model", args.model,
             "--steps", str(args.steps), "--seed", str(args.seed), "--name", name,
             "--runs-dir", runs_dir, "--no-progress", *shlex.split(args.extra)]  # fmt: skip
     if args.policy_ranks is not None:
@@ -219,6 +221,8 @@ def run_once(chaos: bool, args: argparse.Namespace) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--model", default="tiny",
+                   help="the model of phalanx train grpo (the README's: smollm2-135m-instruct)")  # fmt: skip
     p.add_argument("--every-min", type=float, default=120.0, help="seconds between kills, least")
     p.add_argument("--every-max", type=float, default=240.0, help="seconds between kills, most")
     p.add_argument("--seed", type=int, default=1)
