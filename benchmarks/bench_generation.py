@@ -5,8 +5,10 @@ interleaved repeat by repeat (the machine's drift hits every backend), on the sa
 (``--prompts`` problems x ``--samples`` samples, ``--new`` tokens, sampled at temperature 1;
 the only stop token is the vocabulary's last id, so rows run to the limit). Prints per
 backend: start time (model load; for vLLM the engine too), generated tokens/s (median of
-``--repeats``), and the time to load a new version of the weights (vLLM: into the running
-engine), then the ratio of vLLM's tokens/s to the loop's.
+``--repeats``), memory (the resident memory its start added to this process: weights,
+engine, KV cache; and the most that a generate call added on top, sampled every 5 ms),
+and the time to load a new version of the weights (vLLM: into the running engine), then
+the ratio of vLLM's tokens/s to the loop's.
 
 ``--model`` is a Hugging Face folder; without it a random Llama of SmolLM2-135M's shape
 (hidden 576, 30 layers, 9 heads of 64, 3 KV heads, vocabulary 49152) with the tiny task's
@@ -21,9 +23,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import threading
 import time
 from typing import Any
 
+import psutil
 import torch
 
 from phalanx.algorithms.grpo_tiny_task import AdditionTask, encode_prompts
@@ -54,16 +58,48 @@ def _build_smollm_shape(path: str) -> str:
     return path
 
 
-def _start(worker_cls: Any, cfg: dict[str, Any], tok: Any) -> tuple[Any, float]:
+GIB = 1 << 30
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+class _PeakRss:
+    """The most resident memory this process held while the block ran, above its level
+    when the block began (a thread samples every 5 ms)."""
+
+    def __enter__(self) -> _PeakRss:
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+        self.added = self.peak - self.base
+
+
+def _start(worker_cls: Any, cfg: dict[str, Any], tok: Any) -> tuple[Any, float, int]:
+    before = _rss()
     t0 = time.perf_counter()
     worker = worker_cls(cfg, tok)
-    return worker, time.perf_counter() - t0
+    return worker, time.perf_counter() - t0, _rss() - before
 
 
-def _rate(worker: Any, data: Any) -> float:
-    t0 = time.perf_counter()
-    out = worker.generate(data)
-    return int(out["generation_lengths"].sum()) / (time.perf_counter() - t0)
+def _rate(worker: Any, data: Any) -> tuple[float, int]:
+    with _PeakRss() as mem:
+        t0 = time.perf_counter()
+        out = worker.generate(data)
+        seconds = time.perf_counter() - t0
+    return int(out["generation_lengths"].sum()) / seconds, mem.added
 
 
 def _weights_load(worker: Any) -> float:
@@ -112,18 +148,21 @@ def main() -> None:
             runs[name] = (VllmGenerationWorker, {**common, "backend": "vllm", "vllm_cfg": vcfg})
         workers, results = {}, {}
         for name, (cls, cfg) in runs.items():
-            workers[name], start = _start(cls, cfg, tok)
-            results[name] = {"start": start, "rates": []}
+            workers[name], start, resident = _start(cls, cfg, tok)
+            results[name] = {"start": start, "resident": resident, "rates": [], "added": []}
         for _ in range(args.repeats):
             for name, worker in workers.items():
-                results[name]["rates"].append(_rate(worker, data))
+                rate, added = _rate(worker, data)
+                results[name]["rates"].append(rate)
+                results[name]["added"].append(added)
         for name, worker in workers.items():
             r = results[name]
             r["tokens_per_s"] = statistics.median(r["rates"])
             r["refit"] = _weights_load(worker)
             print(
                 f"{name:<14} start {r['start']:7.1f} s  {r['tokens_per_s']:7.1f} tokens/s  "
-                f"weights load {r['refit'] * 1000:8.1f} ms",
+                f"memory {r['resident'] / GIB:5.2f} GiB + {max(r['added']) / GIB:5.2f} GiB "
+                f"generating  weights load {r['refit'] * 1000:8.1f} ms",
                 flush=True,
             )
     base = results["phalanx loop"]["tokens_per_s"]

@@ -58,7 +58,10 @@ def evaluate(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="the run folder (runs/<name>) or its checkpoint.pt")
+    parser.add_argument(
+        "run_dir",
+        help="the run folder (runs/<name>: its newest checkpoint) or one checkpoints/step_N folder",
+    )
     parser.add_argument("--episodes", type=int, default=10, help="episodes to run (default 10)")
     parser.add_argument("--seed", type=int, default=12345, help="env seed (default 12345)")
     parser.add_argument(

@@ -25,7 +25,6 @@ the machinery demo. For a pretrained model the reference policy is the model its
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from collections.abc import Callable
@@ -46,12 +45,12 @@ from phalanx.algorithms.grpo_rollout import (
 from phalanx.algorithms.grpo_run import (
     GRPORun,
     derive_max_total_sequence_length,
-    latest_checkpoint,
     plan_run,
     progress_bar,
     save_checkpoint,
     start_run,
 )
+from phalanx.algorithms.run_checkpoints import latest_checkpoint, read_state
 
 # ----------------------------------------------------------------------------- the algorithm
 
@@ -244,8 +243,7 @@ def _defaults(argv: list[str]) -> TrainGRPO:
         ckpt = latest_checkpoint(run_dir)
         if ckpt is None:
             raise ValueError(f"--resume: no checkpoint under {run_dir}/checkpoints")
-        with open(os.path.join(ckpt, "state.json")) as f:
-            saved = json.load(f)["config"]
+        saved = read_state(ckpt)["config"]
         saved = harness.check_keys(saved, GRPOConfig, f"checkpoint {ckpt}")
         return TrainGRPO(GRPOConfig(**{**saved, **from_file, "run_dir": run_dir, "resume": True}))
     base = GRPOConfig.tiny if (known.model or from_file.get("model")) == TINY else GRPOConfig

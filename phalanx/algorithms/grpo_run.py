@@ -7,18 +7,14 @@ rollouts come from, the held-out evaluation, checkpoints, the clean-up and the r
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import re
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
-from phalanx.algorithms import _harness as harness
 from phalanx.algorithms.grpo_async import AsyncRollouts
 from phalanx.algorithms.grpo_config import TINY, GRPOConfig, resolve_run_dir
 from phalanx.algorithms.grpo_group_calls import (
@@ -35,6 +31,12 @@ from phalanx.algorithms.grpo_group_calls import (
 )
 from phalanx.algorithms.grpo_rollout import SyncRollouts, rollout
 from phalanx.algorithms.phase_threads import PhaseThreads, follow_phase_threads
+from phalanx.algorithms.run_checkpoints import (
+    latest_checkpoint,
+    read_state,
+    remove_unfinished_checkpoints,
+    write_checkpoint,
+)
 
 
 def derive_max_total_sequence_length(
@@ -59,31 +61,7 @@ def derive_max_total_sequence_length(
     return rounded
 
 
-TMP_SUFFIX = ".tmp"  # a checkpoint being written (renamed into place when complete)
 VLLM_START_TIMEOUT_S = 600.0  # a vLLM generation worker's start: engine and compiled graphs
-
-
-def latest_checkpoint(run_dir: str) -> str | None:
-    """The newest complete ``checkpoints/step_<n>`` folder of ``run_dir``, or None (a
-    ``step_<n>.tmp`` folder, one whose write did not finish, is not a checkpoint)."""
-    root = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return None
-    steps = sorted(
-        (int(d.removeprefix("step_")), d)
-        for d in os.listdir(root)
-        if re.fullmatch(r"step_\d+", d) and os.path.exists(os.path.join(root, d, "state.json"))
-    )
-    return os.path.join(root, steps[-1][1]) if steps else None
-
-
-def remove_unfinished_checkpoints(run_dir: str) -> None:
-    """Remove the ``checkpoints/*.tmp`` folders of ``run_dir``: writes a stopped run left."""
-    root = os.path.join(run_dir, "checkpoints")
-    if os.path.isdir(root):
-        for d in os.listdir(root):
-            if d.endswith(TMP_SUFFIX):
-                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
 
 def _save_hf_model(policy, base_dir: str, out_dir: str, tokenizer) -> None:
@@ -407,8 +385,7 @@ class GRPORun:
             policy.worker_group.call("update_reference_model").wait(timeout=300)
             on_policy_workers(policy, reset_worker_optimizer, cfg.lr, "reset_optimizer")
         elif ckpt is not None:
-            with open(os.path.join(ckpt, "state.json")) as f:
-                state = json.load(f)
+            state = read_state(ckpt)
             start_step = state["step"]
             metrics.drop_after(start_step)  # steps after the checkpoint are redone now
             self.task.rng.setstate(_to_rng_state(state["task_rng"]))
@@ -520,37 +497,24 @@ class GRPORun:
 
 
 def save_checkpoint(cfg: GRPOConfig, policy: Any, task: Any, step: int) -> None:
-    """Write ``checkpoints/step_<step>``: the policy's weights, optimizer and tokenizer, and
-    the step, the task's and torch's random states and the config (what resuming reads).
+    """Write ``checkpoints/step_<step>`` (``run_checkpoints``' format): the policy's
+    weights, optimizer and tokenizer, and in its state the task's and torch's random
+    states and the config (what resuming reads).
 
-    Written into ``step_<step>.tmp``, then renamed into place, so a checkpoint folder is
-    complete or absent. A write that fails (a full disk, here or on a policy worker)
-    raises ``OSError`` naming the folder and the errno (``ENOSPC``); the previous
-    checkpoints stay and the partial folder is removed.
+    A write that fails (a full disk, here or on a policy worker) raises ``OSError``
+    naming the folder and the errno (``ENOSPC``); the previous checkpoints stay.
     """
-    path = os.path.join(cfg.run_dir, "checkpoints", f"step_{step}")
-    tmp = path + TMP_SUFFIX
-    try:
+
+    def write_files(folder: str) -> None:
         policy.save_checkpoint(
-            os.path.join(tmp, "weights"), os.path.join(tmp, "optim"), os.path.join(tmp, "tokenizer")
+            os.path.join(folder, "weights"),
+            os.path.join(folder, "optim"),
+            os.path.join(folder, "tokenizer"),
         )
-        with open(os.path.join(tmp, "state.json"), "w") as f:
-            json.dump(
-                {
-                    "step": step,
-                    "task_rng": task.rng.getstate(),
-                    "torch_rng": torch.get_rng_state().tolist(),
-                    "config": asdict(cfg),
-                },
-                f,
-            )
-            f.flush()
-            os.fsync(f.fileno())
-        shutil.rmtree(path, ignore_errors=True)  # an incomplete one of an earlier try
-        os.replace(tmp, path)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        error = harness.os_error_of(e)
-        if error is None:
-            raise
-        raise harness.checkpoint_write_error(path, error) from None
+
+    state = {
+        "task_rng": task.rng.getstate(),
+        "torch_rng": torch.get_rng_state().tolist(),
+        "config": asdict(cfg),
+    }
+    write_checkpoint(cfg.run_dir, step, state, write_files)

@@ -36,7 +36,6 @@ import numpy as np
 from phalanx.algorithms import _harness as harness
 from phalanx.algorithms.ppo_config import TUNED, PPOConfig
 from phalanx.algorithms.ppo_run import (
-    CHECKPOINT_FILE,
     Learner,
     build_learner,
     build_policy,
@@ -181,8 +180,8 @@ def train(
 ) -> dict[str, Any]:
     """Run PPO until ``max_timesteps`` or ``stop_return``; returns a summary dict.
 
-    Writes ``runs_dir/name/metrics.jsonl``, ``checkpoint.pt`` and ``learning_curve.png``.
-    ``resume`` continues from that checkpoint (step count, policy, optimizer, normaliser).
+    Writes ``runs_dir/name/metrics.jsonl``, ``checkpoints/step_<iteration>`` and
+    ``learning_curve.png``. ``resume`` continues from the newest checkpoint (step count, policy, optimizer, normaliser).
     ``on_iteration(metrics, env_runner_group)`` is called after every iteration; a true
     return value stops the run there. ``times`` collects the wall-time breakdown (the
     summary's ``breakdown``; a new one when not given).
@@ -276,13 +275,13 @@ def train(
             finishing = reached_at is not None or stopped
             if learner.iteration % cfg.checkpoint_every == 0 and not finishing:
                 with phases("checkpoint", breakdown="checkpoints"):
-                    save_learner(run_dir / CHECKPOINT_FILE, learner, runners, cfg)
+                    save_learner(run_dir, learner, runners, cfg)
     finally:
         bar.close()
         log.close()
         train_loop_s = time.perf_counter() - t_loop
         with times.phase("checkpoints"):
-            save_learner(run_dir / CHECKPOINT_FILE, learner, runners, cfg)
+            save_learner(run_dir, learner, runners, cfg)
         restarts = runners.num_remote_worker_restarts()
         with times.phase("env runners stop"):
             runners.stop()

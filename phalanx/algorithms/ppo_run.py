@@ -3,13 +3,13 @@ iteration and between iterations, kept out of the loop so that it reads top to b
 
 ``open_run`` validates the config, names the run and reads the checkpoint to resume;
 ``start_run`` starts Ray and the env runners while a helper thread imports torch and
-builds the learner, then gives the runners the learner's weights. A checkpoint holds the
-policy, the optimizer, the observation normaliser and the counters, written atomically.
+builds the learner, then gives the runners the learner's weights. A checkpoint
+(``run_checkpoints``' folder format, shared with GRPO) holds the policy, the optimizer,
+the observation normaliser and the counters.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import math
 import os
@@ -22,6 +22,13 @@ import numpy as np
 
 from phalanx.algorithms import _harness as harness
 from phalanx.algorithms.ppo_config import PPOConfig
+from phalanx.algorithms.run_checkpoints import (
+    STATE_FILE,
+    latest_checkpoint,
+    read_state,
+    remove_unfinished_checkpoints,
+    write_checkpoint,
+)
 from phalanx.observe.breakdown import WallBreakdown
 
 if TYPE_CHECKING:
@@ -29,46 +36,53 @@ if TYPE_CHECKING:
 
     from phalanx.envs import EnvRunnerGroup
 
-CHECKPOINT_FILE = "checkpoint.pt"
+LEARNER_FILE = "learner.pt"  # a PPO checkpoint's file beside its state.json
+KEEP_CHECKPOINTS = 2  # the newest two: rewriting one step's folder always leaves the other
 
 
 # ---------------------------------------------------------------------------- checkpoints
-def save_checkpoint(path: Path, policy: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    connector: dict[str, Any], timesteps: int, iteration: int, episodes: int,
-                    cfg: PPOConfig, spaces: tuple[Any, Any]) -> None:  # fmt: skip
-    """Policy, optimizer, normaliser and counters; written atomically.
+def save_checkpoint(run_dir: str | os.PathLike[str], policy: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, connector: dict[str, Any], timesteps: int,
+                    iteration: int, episodes: int, cfg: PPOConfig,
+                    spaces: tuple[Any, Any]) -> str:  # fmt: skip
+    """Write ``checkpoints/step_<iteration>`` of ``run_dir`` (``run_checkpoints``' format):
+    the counters and the config in its ``state.json``; the policy, the optimizer, the
+    observation normaliser and the spaces in ``learner.pt``. The newest two are kept.
 
-    A write that fails (a full disk) raises ``OSError`` naming ``path`` and the errno
-    (``ENOSPC``); the previous checkpoint stays and no partial file is left.
+    Returns:
+        The checkpoint's folder.
+
+    Raises:
+        OSError: the write failed (a full disk): the error names the folder and the errno
+            (``ENOSPC``); the earlier checkpoints stay and no partial folder is left.
     """
     import torch
 
-    tmp = path.with_suffix(".tmp")
     buf = io.BytesIO()  # serialised first: a failed write then is a plain OSError
     torch.save(
         {
             "policy": policy.state_dict(),
             "optimizer": optimizer.state_dict(),
             "connector": connector,
-            "timesteps": timesteps,
-            "iteration": iteration,
-            "episodes": episodes,
-            "config": asdict(cfg),
             "observation_space": spaces[0],
             "action_space": spaces[1],
         },
         buf,
     )
-    try:
-        with open(tmp, "wb") as f:
+
+    def write_files(folder: str) -> None:
+        with open(os.path.join(folder, LEARNER_FILE), "wb") as f:
             f.write(buf.getbuffer())
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise harness.checkpoint_write_error(path, e) from None
+
+    state = {
+        "timesteps": timesteps,
+        "iteration": iteration,
+        "episodes": episodes,
+        "config": asdict(cfg),
+    }
+    return write_checkpoint(run_dir, iteration, state, write_files, keep=KEEP_CHECKPOINTS)
 
 
 _CHECKPOINT_KEYS = ("policy", "optimizer", "connector", "timesteps", "iteration", "episodes",
@@ -76,28 +90,35 @@ _CHECKPOINT_KEYS = ("policy", "optimizer", "connector", "timesteps", "iteration"
 
 
 def load_checkpoint(run_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The checkpoint of ``run_dir`` (a ``runs/<name>`` folder or the file itself).
+    """The newest checkpoint of ``run_dir`` (a ``runs/<name>`` folder), or the checkpoint
+    folder ``run_dir`` itself: its state and files in one dict, with ``checkpoint``, the
+    folder it came from.
 
-    ``FileNotFoundError`` or ``ValueError`` naming the file when it is missing, unreadable
-    or not a PPO checkpoint.
+    Raises:
+        FileNotFoundError: the run has no checkpoint.
+        ValueError: the checkpoint is unreadable or not a PPO checkpoint (names the file).
     """
     import torch
 
     path = Path(run_dir)
-    if path.is_dir() or (not path.exists() and path.suffix != ".pt"):
-        path = path / CHECKPOINT_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"no PPO checkpoint at {path}")
+    folder = path if (path / STATE_FILE).exists() else latest_checkpoint(path)
+    if folder is None:
+        raise FileNotFoundError(f"no PPO checkpoint under {path / 'checkpoints'}")
+    learner_file = Path(folder) / LEARNER_FILE
+    state = read_state(folder)
+    if not learner_file.exists():
+        raise ValueError(f"checkpoint {folder} is not a PPO checkpoint (no {LEARNER_FILE})")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        files = torch.load(learner_file, map_location="cpu", weights_only=False)
     except Exception as e:  # torch raises many types for a damaged file
         raise ValueError(
-            f"checkpoint {path} is corrupt or unreadable ({type(e).__name__}: {e})"
+            f"checkpoint {learner_file} is corrupt or unreadable ({type(e).__name__}: {e})"
         ) from None
-    missing = [k for k in _CHECKPOINT_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
+    ckpt = {**files, **state, "checkpoint": str(folder)} if isinstance(files, dict) else {}
+    missing = [k for k in _CHECKPOINT_KEYS if k not in ckpt]
     if missing:
-        raise ValueError(f"checkpoint {path} is not a PPO checkpoint (missing {missing})")
-    harness.check_keys(ckpt["config"], PPOConfig, f"checkpoint {path}")
+        raise ValueError(f"checkpoint {folder} is not a PPO checkpoint (missing {missing})")
+    harness.check_keys(ckpt["config"], PPOConfig, f"checkpoint {folder}")
     return ckpt
 
 
@@ -170,9 +191,9 @@ def build_learner(cfg: PPOConfig, ckpt: dict[str, Any] | None) -> Learner:
     return learner
 
 
-def save_learner(path: Path, learner: Learner, runners: EnvRunnerGroup, cfg: PPOConfig) -> None:
+def save_learner(run_dir: Path, learner: Learner, runners: EnvRunnerGroup, cfg: PPOConfig) -> None:
     """``save_checkpoint`` of the learner's state and the runners' normaliser."""
-    save_checkpoint(path, learner.policy, learner.optimizer, runners.get_connector_state(),
+    save_checkpoint(run_dir, learner.policy, learner.optimizer, runners.get_connector_state(),
                     learner.timesteps, learner.iteration, learner.episodes, cfg,
                     learner.spaces)  # fmt: skip
 
@@ -190,15 +211,15 @@ def open_run(cfg: PPOConfig, resume: bool) -> tuple[PPOConfig, Path, dict[str, A
     if cfg.name is None:
         cfg = replace(cfg, name=harness.fresh_run_name(f"ppo-{cfg.env}", cfg.runs_dir))
     run_dir = Path(cfg.runs_dir) / cfg.name
-    ckpt_path = run_dir / CHECKPOINT_FILE
-    if not resume and ckpt_path.exists():
+    if not resume and latest_checkpoint(run_dir) is not None:
         raise ValueError(
             f"name: {run_dir} already has a checkpoint; pass --resume to continue it or "
             "choose another --name"
         )
-    ckpt = load_checkpoint(ckpt_path) if resume else None
+    ckpt = load_checkpoint(run_dir) if resume else None
     if ckpt is not None:
-        check_resumable(ckpt, cfg, ckpt_path)
+        check_resumable(ckpt, cfg, Path(ckpt["checkpoint"]))
+    remove_unfinished_checkpoints(run_dir)
     return cfg, run_dir, ckpt
 
 

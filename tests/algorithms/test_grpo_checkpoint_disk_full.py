@@ -16,8 +16,9 @@ import pytest
 
 from phalanx.algorithms import _harness as harness
 from phalanx.algorithms.grpo_config import GRPOConfig
-from phalanx.algorithms.grpo_run import latest_checkpoint, save_checkpoint, start_run
+from phalanx.algorithms.grpo_run import save_checkpoint, start_run
 from phalanx.algorithms.grpo_tasks import make_task
+from phalanx.algorithms.run_checkpoints import latest_checkpoint
 from phalanx.llm.policy import Policy
 
 pytestmark = pytest.mark.timeout(240)

@@ -21,7 +21,7 @@ import torch
 from phalanx.algorithms import _harness as harness
 from phalanx.algorithms.grpo import GRPOConfig, train
 from phalanx.algorithms.grpo_recovery import PolicyRecovery, RestartBudgetSpentError
-from phalanx.algorithms.grpo_run import latest_checkpoint
+from phalanx.algorithms.run_checkpoints import latest_checkpoint
 from phalanx.observe.metrics import read_metrics
 from tests.helpers import die_in_next_refit, die_in_next_train, kill_plan
 

@@ -143,9 +143,10 @@ def test_cli_end_to_end(cluster, tmp_path, capsys):
             "--config", str(cfg_file), "--no-progress"]  # fmt: skip
     assert main(argv) == 0
     run = tmp_path / "cli"
-    assert {"metrics.jsonl", "checkpoint.pt", "learning_curve.png", "config.json"} <= set(
+    assert {"metrics.jsonl", "checkpoints", "learning_curve.png", "config.json"} <= set(
         os.listdir(run)
     )
+    assert sorted(os.listdir(run / "checkpoints" / "step_8")) == ["learner.pt", "state.json"]
     conf = json.loads((run / "config.json").read_text())
     assert conf["num_envs_per_env_runner"] == 4 and conf["seed"] == 3
     assert read_metrics(run)[-1]["timesteps"] == 512
@@ -185,19 +186,20 @@ def test_cli_config_errors_name_the_key_and_the_file(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--config {bad_key}: unknown PPO config key 'learning_rat'" in err
     # a corrupt checkpoint: the error names the file, nothing starts
-    run = tmp_path / "broken"
-    run.mkdir()
-    (run / "checkpoint.pt").write_bytes(b"not a torch file")
+    folder = tmp_path / "broken" / "checkpoints" / "step_3"
+    folder.mkdir(parents=True)
+    (folder / "state.json").write_text('{"step": 3}')
+    (folder / "learner.pt").write_bytes(b"not a torch file")
     argv = ["train", "ppo", "--name", "broken", "--runs-dir", str(tmp_path), "--resume"]
     assert main(argv) == 1
     err = capsys.readouterr().err
-    assert f"checkpoint {run / 'checkpoint.pt'} is corrupt or unreadable" in err
-    with pytest.raises(ValueError, match="checkpoint .*broken/checkpoint.pt is corrupt"):
-        load_checkpoint(run)
+    assert f"checkpoint {folder / 'learner.pt'} is corrupt or unreadable" in err
+    with pytest.raises(ValueError, match="checkpoint .*step_3/learner.pt is corrupt"):
+        load_checkpoint(tmp_path / "broken")
     assert main(["train", "ppo", "--resume", "--runs-dir", str(tmp_path)]) == 1
     assert "--resume needs --name" in capsys.readouterr().err
     assert main(["train", "ppo", "--name", "nope", "--runs-dir", str(tmp_path), "--resume"]) == 1
-    assert f"no PPO checkpoint at {tmp_path / 'nope' / 'checkpoint.pt'}" in capsys.readouterr().err
+    assert f"no PPO checkpoint under {tmp_path / 'nope' / 'checkpoints'}" in capsys.readouterr().err
     # a bad value names the flags that set it, aliases included
     assert main(["train", "ppo", "--lr", "-1", "--runs-dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err

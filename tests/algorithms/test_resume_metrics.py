@@ -22,12 +22,13 @@ def test_rows_past_the_checkpoint_are_written_once_after_resume(tmp_path):
                     name="r", checkpoint_every=1)  # fmt: skip
     run = tmp_path / "r"
     ppo.train(cfg, progress=False)
-    shutil.copy(run / "checkpoint.pt", tmp_path / "at_128.pt")
+    shutil.copytree(run / "checkpoints" / "step_2", tmp_path / "at_128")
     ppo.train(replace(cfg, max_timesteps=256), resume=True, progress=False)
     assert [r["step"] for r in read_metrics(run)] == [64, 128, 192, 256]
     # A kill -9 after step 256 whose last checkpoint was at 128: rows 192 and 256 exist,
     # the checkpoint does not have them.
-    shutil.copy(tmp_path / "at_128.pt", run / "checkpoint.pt")
+    shutil.rmtree(run / "checkpoints")
+    shutil.copytree(tmp_path / "at_128", run / "checkpoints" / "step_2")
     ppo.train(replace(cfg, max_timesteps=256), resume=True, progress=False)
     assert [r["step"] for r in read_metrics(run)] == [64, 128, 192, 256]
 

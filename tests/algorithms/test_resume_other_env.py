@@ -30,8 +30,8 @@ def cartpole_run(tmp_path):
     ],
 )  # fmt: skip
 def test_resume_with_another_env_or_network_names_the_file(cartpole_run, capsys, flags, why):
-    ckpt = cartpole_run / "checkpoint.pt"
-    before = ckpt.read_bytes()
+    ckpt = cartpole_run / "checkpoints" / "step_1"
+    before = (ckpt / "learner.pt").read_bytes()
     argv = ["--resume", "--name", "r", "--runs-dir", str(cartpole_run.parent), "--no-progress"]
     capsys.readouterr()
     assert ppo.cli(argv + flags) == 1
@@ -42,4 +42,4 @@ def test_resume_with_another_env_or_network_names_the_file(cartpole_run, capsys,
         f"its own environment and network (start a new run under another --name) "
         f"(flag {flag})"
     ]
-    assert ckpt.read_bytes() == before
+    assert (ckpt / "learner.pt").read_bytes() == before

@@ -113,7 +113,7 @@ def test_ppo_iterations_write_metrics(cluster, tmp_path):
     assert out["timesteps"] == 384 and out["iterations"] == 3
     assert [r["timesteps"] for r in rows] == [128, 256, 384]
     assert all(np.isfinite(r["loss/policy"]) and np.isfinite(r["loss/value"]) for r in rows)
-    assert (tmp_path / "t" / "checkpoint.pt").exists()
+    assert (tmp_path / "t" / "checkpoints" / "step_3" / "learner.pt").exists()
 
 
 def test_async_sampling_lag_stays_within_one_version(cluster, tmp_path):
