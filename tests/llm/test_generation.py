@@ -261,7 +261,10 @@ def test_nemo_rl_collective_refit_methods_load_the_policy_weights(
     )
     try:
         assert gen.apply(_refit_state, [(0, (), {}), (1, (), {})]).wait(30) == [(0, False)] * 2
-        with pytest.raises(px.WorkerError, match="call init_collective first"):
+        with pytest.raises(
+            px.WorkerError,
+            match="RuntimeError: update_weights_from_collective: call init_collective first",
+        ):
             gen.execute_on(0).update_weights_from_collective({}).wait(30)
         pg.apply(_noise, [(r, (0.05, 31), {}) for r in (0, 1)], label="noise").wait(timeout=60)
         meta = pg.worker_metadata[0]
@@ -275,7 +278,6 @@ def test_nemo_rl_collective_refit_methods_load_the_policy_weights(
         assert received.wait(60) == [True, True]
         state = policy.state_dict()
         for sd in gen.get_state_dict().wait(60):
-            assert sorted(sd) == sorted(state)
             assert all(torch.equal(sd[k], state[k]) for k in state)
         assert gen.apply(_refit_state, [(0, (), {}), (1, (), {})]).wait(30) == [(1, True)] * 2
     finally:
