@@ -13,12 +13,16 @@ RLlib face (any group): ``foreach_worker``, ``foreach_worker_with_id``,
 ``.ok``/``.get()``), and health: ``healthy_worker_ids``, ``probe_unhealthy_workers``,
 ``num_remote_worker_restarts``.
 
-The class is a facade. The work is done by small modules: ``launch`` (start workers, the
-roster of live actors), ``dispatch`` (each call style as a pure function from arguments to
-per-rank calls), ``collect`` (the one result path), ``fault`` (health and restarts, behind
-the ``Members`` interface), ``requests`` (async request bookkeeping) and ``hang`` (reports).
-Every face ends in ``WorkerGroup._call(method, [(rank, args, kwargs), ...])``, which puts
-arguments shared by several ranks into the object store once and returns a handle.
+The class is a facade: every method of every face is a method here, and the work is done
+by small modules. The state the faces share is one ``CallPath`` (``call_path``: the roster
+of live actors, their health, the one result path, the async requests and the dispatch
+every call ends in, ``CallPath.call(method, [(rank, args, kwargs), ...])``). The group
+holds it, and a ``NemoFace`` (``nemo_face``) and an ``RllibFace`` (``rllib_face``) that
+work over it; ``rlinf_face`` has the group methods ``__getattr__`` and ``execute_on`` hand
+out. Below them: ``launch`` (start workers), ``dispatch`` (each call style as a pure
+function from arguments to per-rank calls), ``collect`` (the one result path), ``fault``
+(health and restarts, behind the ``Members`` interface), ``requests`` (async request
+bookkeeping) and ``hang`` (reports).
 
 Failure rule of a plain group: an exception raised by a worker's code is that call's
 ``WorkerError`` and the worker stays healthy; only a dead process makes a worker unhealthy
@@ -30,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import time
 import weakref
 from collections.abc import Callable
@@ -38,12 +41,13 @@ from typing import Any
 
 import ray
 
-from phalanx._base.checks import check_int, check_number, check_ranks, check_timeout
+from phalanx._base.checks import check_int, check_number, check_timeout
 from phalanx.group import dispatch
 from phalanx.group import hang as _hang
+from phalanx.group.call_path import RUNNING, SHUT_DOWN, CallPath, UnknownMethodError
 from phalanx.group.collect import Collector
 from phalanx.group.fault import FaultState, HealthEvent, RestartPolicy, WorkerHealth
-from phalanx.group.futures import GroupHandle, default_call_timeout
+from phalanx.group.futures import GroupHandle, MultiWorkerFuture, default_call_timeout
 from phalanx.group.launch import (
     Roster,
     WorkerRank,
@@ -57,8 +61,10 @@ from phalanx.group.launch import (
     wait_names_free,
 )
 from phalanx.group.nemo_face import NemoFace
-from phalanx.group.requests import AsyncRequests
-from phalanx.group.rllib_face import RllibFace
+from phalanx.group.requests import AsyncSubmission, as_results
+from phalanx.group.results import RemoteCallResults
+from phalanx.group.rlinf_face import GroupMethod, RankView
+from phalanx.group.rllib_face import ForeachOptions, Funcs, FuncsWithId, RllibFace
 from phalanx.group.sharding import NamedSharding
 from phalanx.observe import trace as _trace
 from phalanx.resources.cluster import Cluster
@@ -69,46 +75,8 @@ from phalanx.worker.builder import RayWorkerBuilder, _check_env
 
 logger = logging.getLogger(__name__)
 
-_NEW, _RUNNING, _SHUT_DOWN = "new", "running", "shut down"
 
-
-class UnknownMethodError(AttributeError, ValueError):
-    """The worker class has no public method of that name."""
-
-
-class _GroupMethod:
-    """``group.method`` (or ``group.execute_on(...).method``): calling it dispatches."""
-
-    __slots__ = ("_group", "_name", "_ranks")
-
-    def __init__(self, group: WorkerGroup, name: str, ranks: list[int] | None):
-        self._group, self._name, self._ranks = group, name, ranks
-
-    def __call__(self, *args: Any, **kwargs: Any) -> GroupHandle:
-        g = self._group
-        if self._ranks is None:
-            calls = [(r, args, kwargs) for r in g._all_ranks]
-            return g._call(self._name, calls, health=g._broadcast_health())
-        return g._call(self._name, [(r, args, kwargs) for r in self._ranks])
-
-    def __repr__(self) -> str:
-        return f"<group method {self._group.name}.{self._name}>"
-
-
-class _RankView:
-    """The group restricted to some ranks, for the next call."""
-
-    __slots__ = ("_group", "_ranks")
-
-    def __init__(self, group: WorkerGroup, ranks: list[int]):
-        self._group, self._ranks = group, ranks
-
-    def __getattr__(self, name: str) -> _GroupMethod:
-        self._group._check_method(name)
-        return _GroupMethod(self._group, name, self._ranks)
-
-
-class WorkerGroup(NemoFace, RllibFace):
+class WorkerGroup:
     """A group of workers of one class (also exported as ``RayWorkerGroup``).
 
     NeMo-RL form, launched at once::
@@ -175,18 +143,17 @@ class WorkerGroup(NemoFace, RllibFace):
         self.sharding_annotations: NamedSharding | None = sharding_annotations
         self.dp_leader_worker_indices: list[int] = []
         self._roster = Roster(remote_worker_builder, launch_timeout_s)
-        self._all_ranks: list[int] = []
         self._env_vars = _check_env(env_vars, "env_vars")
-        self._state = _NEW
         # Run in order after a rank restarts and its state is restored (add_restart_hook).
         self._restart_hooks: list[Callable[[list[int]], None]] = []
         self._fault = FaultState(
             self._roster, _check_policy(restart_policy), _weak_restart_hooks(self)
         )
-        self._collector = Collector(self, self._fault)
-        self._requests = AsyncRequests()
+        # What every face shares: the roster, health, results, async requests and dispatch.
+        self._path = CallPath(self, self._roster, self._fault)
+        self._nemo = NemoFace(self._path)
+        self._rllib = RllibFace(self._path)
         self._state_hook: Callable[[], None] | None = None
-        self._watchdog: _hang.Watchdog | None = None
         self.max_requests_in_flight_per_worker = 2
         self._call_timeout_s = default_call_timeout()
         if cluster is not None:
@@ -243,7 +210,7 @@ class WorkerGroup(NemoFace, RllibFace):
                 is out of range.
             TypeError: ``placement`` or ``cluster`` has the wrong type.
         """
-        if self._state == _RUNNING:
+        if self._path.state == RUNNING:
             raise RuntimeError(f"group {self.name!r} is already launched")
         if placement is not None and placement_strategy is not None:
             raise ValueError("give placement or placement_strategy, not both")
@@ -317,7 +284,7 @@ class WorkerGroup(NemoFace, RllibFace):
 
         restarts = roster.start(slots, self.name, self._env_vars, startup_restarts_left)
         world = len(slots)
-        self._all_ranks = list(range(world))
+        self._path.ranks = list(range(world))
         if self.sharding_annotations is None:
             self.sharding_annotations = NamedSharding.default(world)
         leaders = [s.rank for s in slots if s.bundle_indices is not None]
@@ -328,20 +295,20 @@ class WorkerGroup(NemoFace, RllibFace):
             self._state_hook()
             self._state_hook = None
         if policy.capture_state_from is not None:
-            self._state_hook = self._collector.add_result_hook(
+            self._state_hook = self._path.collector.add_result_hook(
                 policy.capture_state_from, self._fault.remember_states
             )
         watchdog_s = os.environ.get("PHALANX_WATCHDOG_S")
         if watchdog_s:
             self.set_watchdog(float(watchdog_s))
-        self._state = _RUNNING
+        self._path.state = RUNNING
         _trace.register_group(self)
 
     # ------------------------------------------------------------------ the call path
     @property
     def collector(self) -> Collector:
         """The group's one result path (used by handles and futures)."""
-        return self._collector
+        return self._path.collector
 
     @property
     def call_timeout_s(self) -> float | None:
@@ -360,113 +327,24 @@ class WorkerGroup(NemoFace, RllibFace):
         """Public methods of the worker class: name -> ``sync``/``async``/``gen``/``asyncgen``."""
         return dict(self._roster.methods)
 
-    def _check_live(self) -> None:
-        if self._state != _RUNNING:
-            what = self.name or self.name_prefix or self._builder.class_name
-            if self._state == _SHUT_DOWN:
-                raise RuntimeError(f"group {what!r} is shut down; launch a new group")
-            raise RuntimeError(f"group {what!r} is not launched yet")
-
-    def _check_method(self, method: str) -> None:
-        if method not in self._roster.methods:
-            self._check_live()
-            raise UnknownMethodError(
-                f"method_name {method!r}: {self._builder.class_name} has no public method of that name "
-                f"(known: {sorted(self._roster.methods)})"
-            )
-
-    def _call(
-        self,
-        method: str,
-        calls: list[tuple[int, tuple, dict]],
-        fn: Callable[..., Any] | None = None,
-        *,
-        health: str = "restart",
-    ) -> GroupHandle:
-        """The one dispatch: for each (rank, args, kwargs) start the call; return a handle.
-
-        ``health`` says what to do with a called rank that is not healthy: ``"restart"``
-        (wait for or start its restart; raise naming it if that cannot be),
-        ``"skip"`` (leave it out; the handle lists it in ``skipped``) or ``"any"`` (call it).
-        """
-        if self._state != _RUNNING:
-            self._check_live()
-        t0 = time.perf_counter() if _trace.ON else 0.0
-        if fn is None:
-            self._check_method(method)
-        skipped = None
-        if self._fault.not_healthy and health != "any":
-            ready, skipped = self._fault.ensure_ready(
-                [c[0] for c in calls], method, skip=health == "skip"
-            )
-            if skipped:
-                keep = set(ready)
-                calls = [c for c in calls if c[0] in keep]
-        stream = fn is None and self._roster.methods[method] in ("gen", "asyncgen")
-        try:
-            shared = self._share(calls) if len(calls) > 1 else None
-        except (pickle.PicklingError, RecursionError) as e:  # a value passed to every rank
-            rank, args, kwargs = calls[0]
-            raise dispatch.unpicklable_argument(self.name, method, rank, args, kwargs, e) from None
-        refs = []
-        actors = self._roster.actors
-        for rank, args, kwargs in calls:
-            if shared:
-                args = tuple(shared.get(id(a), a) for a in args)
-                kwargs = {k: shared.get(id(v), v) for k, v in kwargs.items()}
-            actor = actors[rank]
-            try:
-                if fn is not None:
-                    refs.append(actor._px_apply.remote(fn, *args, **kwargs))
-                elif stream:
-                    # Each public method has its own actor method (see host_class_for).
-                    remote = getattr(actor, method).options(num_returns="streaming")
-                    refs.append(remote.remote(*args, **kwargs))
-                else:
-                    refs.append(getattr(actor, method).remote(*args, **kwargs))
-            except (pickle.PicklingError, RecursionError) as e:
-                raise dispatch.unpicklable_argument(
-                    self.name, method, rank, args, kwargs, e
-                ) from None
-        handle = GroupHandle(self, method, [c[0] for c in calls], refs)
-        if skipped:
-            handle.skipped = skipped
-        if self._watchdog is not None:
-            self._watchdog.track(handle)
-        if t0:
-            _trace.driver_call(self, method, calls, handle, t0)
-        return handle
-
-    @staticmethod
-    def _share(calls: list[tuple[int, tuple, dict]]) -> dict[int, Any]:
-        """Values passed to several ranks and too big to inline go to the object store once."""
-        values = dispatch.shared_values(calls, lambda v: isinstance(v, ray.ObjectRef))
-        return {key: ray.put(v) for key, v in values.items()}
-
-    def _bare_refs(self, handle: GroupHandle) -> list[Any]:
-        """A handle's refs for faces that return bare Ray refs; the label is kept for
-        ``MultiWorkerFuture`` errors."""
-        self._collector.note_label(handle.refs, handle.method)
-        return handle.refs
-
     # ------------------------------------------------------------------ RLinf face
-    def __getattr__(self, name: str) -> _GroupMethod:
+    def __getattr__(self, name: str) -> GroupMethod:
         if name.startswith("_"):
             raise AttributeError(name)
-        roster = self.__dict__.get("_roster")
-        methods = roster.methods if roster is not None else {}
+        path = self.__dict__.get("_path")
+        methods = path.roster.methods if path is not None else {}
         if name not in methods:
-            state = self.__dict__.get("_state")
-            if state == _SHUT_DOWN:
+            state = path.state if path is not None else None
+            if state == SHUT_DOWN:
                 raise AttributeError(f"{name!r}: the group is shut down")
-            if state != _RUNNING:
+            if state != RUNNING:
                 raise AttributeError(f"{name!r}: the group is not launched yet")
             raise UnknownMethodError(
                 f"{name!r}: {self._builder.class_name} has no public method of that name (known: {sorted(methods)})"
             )
-        return _GroupMethod(self, name, None)
+        return GroupMethod(self._path, name, None)
 
-    def execute_on(self, *ranks: int) -> _RankView:
+    def execute_on(self, *ranks: int) -> RankView:
         """The group restricted to ``ranks`` for the next call: ``g.execute_on(0, 3).hello()``.
 
         Args:
@@ -479,8 +357,8 @@ class WorkerGroup(NemoFace, RllibFace):
             ValueError: no rank is given or a rank is out of range.
             TypeError: a rank is not an int.
         """
-        self._check_live()
-        return _RankView(self, dispatch.execute_on(ranks, self.world_size, self.name))
+        self._path.check_live()
+        return RankView(self._path, dispatch.execute_on(ranks, self.world_size, self.name))
 
     def call(
         self, method: str, *args: Any, ranks: list[int] | None = None, **kwargs: Any
@@ -499,11 +377,12 @@ class WorkerGroup(NemoFace, RllibFace):
             UnknownMethodError: the worker class has no such public method.
             ValueError: a rank is out of range.
         """
+        path = self._path
         if ranks is None:
-            calls = dispatch.broadcast(self._all_ranks, args, kwargs)
-            return self._call(method, calls, health=self._broadcast_health())
-        ranks = self._check_ranks(ranks, "ranks")
-        return self._call(method, dispatch.broadcast(ranks, args, kwargs))
+            calls = dispatch.broadcast(path.ranks, args, kwargs)
+            return path.call(method, calls, health=path.broadcast_health())
+        ranks = path.check_ranks(ranks, "ranks")
+        return path.call(method, dispatch.broadcast(ranks, args, kwargs))
 
     def call_ranks(
         self, method: str, calls: list[tuple[int, tuple, dict]], *, skip_unhealthy: bool = False
@@ -525,8 +404,8 @@ class WorkerGroup(NemoFace, RllibFace):
             UnknownMethodError: the worker class has no such public method.
             ValueError: a rank is out of range.
         """
-        self._check_ranks([c[0] for c in calls], "calls")
-        return self._call(method, calls, health="skip" if skip_unhealthy else "restart")
+        self._path.check_ranks([c[0] for c in calls], "calls")
+        return self._path.call(method, calls, health="skip" if skip_unhealthy else "restart")
 
     def apply(
         self,
@@ -557,9 +436,9 @@ class WorkerGroup(NemoFace, RllibFace):
         """
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-        self._check_ranks([c[0] for c in calls], "calls")
+        self._path.check_ranks([c[0] for c in calls], "calls")
         name = label or getattr(fn, "__name__", "apply")
-        return self._call(name, calls, fn=fn, health="skip" if skip_unhealthy else "restart")
+        return self._path.call(name, calls, fn=fn, health="skip" if skip_unhealthy else "restart")
 
     def add_restart_hook(self, hook: Callable[[list[int]], None]) -> Callable[[], None]:
         """Run ``hook(ranks)`` after restarted ranks got their state back, before they take calls.
@@ -615,7 +494,7 @@ class WorkerGroup(NemoFace, RllibFace):
             raise TypeError(f"method must be a method name, got {type(method).__name__}")
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {type(hook).__name__}")
-        return self._collector.add_result_hook(method, hook)
+        return self._path.collector.add_result_hook(method, hook)
 
     @property
     def worker_info_list(self) -> list[WorkerRank]:
@@ -625,10 +504,12 @@ class WorkerGroup(NemoFace, RllibFace):
     def _close(self) -> None:
         """RLinf's ``_close``: run each worker's ``_close()`` if it has one, then free every
         actor (as ``shutdown``)."""
-        if self._state == _RUNNING:
+        if self._path.state == RUNNING:
             try:
                 self.apply(
-                    _call_private_close, dispatch.broadcast(self._all_ranks, (), {}), label="_close"
+                    _call_private_close,
+                    dispatch.broadcast(self._path.ranks, (), {}),
+                    label="_close",
                 ).wait(timeout=30)
             except Exception as e:  # noqa: BLE001 - the actors are freed regardless
                 logger.warning("group %s: _close failed: %s", self.name, e)
@@ -645,19 +526,11 @@ class WorkerGroup(NemoFace, RllibFace):
         """The number of workers in the group."""
         return len(self._roster.actors)
 
-    def _check_ranks(self, ranks: Any, arg: str) -> list[int]:
-        self._check_live()
-        return check_ranks(ranks, self.world_size, arg, repeats="allow")
-
     # ------------------------------------------------------------------ health
     @property
     def restart_policy(self) -> RestartPolicy:
         """The group's :class:`RestartPolicy` (``RestartPolicy.never()`` unless given)."""
         return self._fault.policy
-
-    def _broadcast_health(self) -> str:
-        """Same-arguments calls to every rank may go on without dead ranks when ignoring failures."""
-        return "skip" if self._fault.policy.ignore_failures else "restart"
 
     def health(self) -> dict[int, WorkerHealth]:
         """Health of every rank: healthy, unhealthy, restarting or dead (for good).
@@ -689,7 +562,8 @@ class WorkerGroup(NemoFace, RllibFace):
         Raises:
             ValueError: a rank is out of range.
         """
-        ranks = self._all_ranks if ranks is None else self._check_ranks(ranks, "ranks")
+        path = self._path
+        ranks = path.ranks if ranks is None else path.check_ranks(ranks, "ranks")
         return self._fault.wait_healthy(ranks, timeout_seconds)
 
     def register_state(self, rank: int | None, state: Any) -> None:
@@ -705,7 +579,8 @@ class WorkerGroup(NemoFace, RllibFace):
         Raises:
             ValueError: the worker class has no ``set_state`` method, or ``rank`` is out of range.
         """
-        ranks = self._all_ranks if rank is None else self._check_ranks([rank], "rank")
+        path = self._path
+        ranks = path.ranks if rank is None else path.check_ranks([rank], "rank")
         if "set_state" not in self._roster.methods:
             raise ValueError(
                 f"register_state: {self._builder.class_name} has no set_state(state) method"
@@ -720,16 +595,560 @@ class WorkerGroup(NemoFace, RllibFace):
             after_seconds: seconds a call may run before its hang report is printed.
             stream: where the report goes (stderr if None).
         """
-        if self._watchdog is not None:
-            self._watchdog.stop()
-            self._watchdog = None
+        path = self._path
+        if path.watchdog is not None:
+            path.watchdog.stop()
+            path.watchdog = None
         if after_seconds is not None:
-            self._watchdog = _hang.Watchdog(self, after_seconds, stream)
+            path.watchdog = _hang.Watchdog(self, after_seconds, stream)
 
     @property
     def watchdog(self) -> _hang.Watchdog | None:
         """The group's watchdog (``set_watchdog``), with the ``reports`` it printed."""
-        return self._watchdog
+        return self._path.watchdog
+
+    # ------------------------------------------------------------------ NeMo-RL face
+    @property
+    def workers(self) -> list[Any]:
+        """One proxy per rank: ``group.workers[r].method.remote(...)`` returns a Ray ref."""
+        return self._nemo.workers()
+
+    @property
+    def worker_metadata(self) -> list[dict[str, Any]]:
+        """Per rank: node index, local and global rank, actor name, bundle indices, pid."""
+        return list(self._roster.metadata)
+
+    @property
+    def master_address(self) -> str:
+        """The IP address of rank 0, for ``torch.distributed`` rendezvous."""
+        return self._roster.master_address
+
+    @property
+    def master_port(self) -> int:
+        """A free port on rank 0's node, for ``torch.distributed`` rendezvous."""
+        return self._roster.master_port
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel shards (one leader each)."""
+        return len(self.dp_leader_worker_indices)
+
+    def get_dp_leader_worker_idx(self, dp_shard_idx: int) -> int:
+        """The rank that leads data-parallel shard ``dp_shard_idx``.
+
+        Args:
+            dp_shard_idx: the data-parallel shard.
+
+        Returns:
+            The rank of its leader.
+
+        Raises:
+            IndexError: ``dp_shard_idx`` is out of range.
+        """
+        check_int(dp_shard_idx, "dp_shard_idx")
+        if not 0 <= dp_shard_idx < self.dp_size:
+            raise IndexError(f"dp_shard_idx {dp_shard_idx} out of range 0..{self.dp_size - 1}")
+        return self.dp_leader_worker_indices[dp_shard_idx]
+
+    def run_single_worker_single_data(
+        self, method_name: str, worker_idx: int, *args: Any, **kwargs: Any
+    ) -> ray.ObjectRef:
+        """Run ``method_name`` on one worker; returns its Ray future.
+
+        Args:
+            method_name: the worker method's name.
+            worker_idx: the worker's rank.
+            *args, **kwargs: its arguments.
+
+        Returns:
+            The Ray future of its result.
+
+        Raises:
+            UnknownMethodError: the worker class has no such public method.
+            ValueError: ``worker_idx`` is out of range.
+        """
+        return self._nemo.run_single(method_name, worker_idx, args, kwargs)
+
+    def run_all_workers_single_data(
+        self,
+        method_name: str,
+        *args: Any,
+        run_rank_0_only_axes: list[str] | None = None,
+        **kwargs: Any,
+    ) -> list[ray.ObjectRef]:
+        """Same arguments to every worker (or only rank 0 of ``run_rank_0_only_axes``).
+
+        Args:
+            method_name: the worker method's name.
+            *args, **kwargs: the arguments every called worker gets.
+            run_rank_0_only_axes: call only index 0 along these named axes.
+
+        Returns:
+            One Ray future per called worker.
+
+        Raises:
+            UnknownMethodError: the worker class has no such public method.
+        """
+        return self._nemo.run_single_data(
+            self.sharding_annotations, method_name, args, kwargs, run_rank_0_only_axes
+        )
+
+    def run_all_workers_multiple_data(
+        self,
+        method_name: str,
+        *args: Any,
+        run_rank_0_only_axes: list[str] | None = None,
+        common_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> list[ray.ObjectRef]:
+        """One item of each list argument per called worker, plus ``common_kwargs`` for all.
+
+        Data that do not match the workers called raise ``dispatch.DispatchError`` (a
+        ``ValueError`` and, as in NeMo-RL, an ``AssertionError``).
+
+        Args:
+            method_name: the worker method's name.
+            *args, **kwargs: lists with one item per called worker.
+            run_rank_0_only_axes: call only index 0 along these named axes.
+            common_kwargs: keyword arguments every called worker gets.
+
+        Returns:
+            One Ray future per called worker.
+
+        Raises:
+            DispatchError: the lists do not match the workers called.
+            UnknownMethodError: the worker class has no such public method.
+        """
+        return self._nemo.run_multiple_data(
+            self.sharding_annotations,
+            method_name,
+            args,
+            kwargs,
+            run_rank_0_only_axes,
+            common_kwargs,
+        )
+
+    def run_all_workers_sharded_data(
+        self,
+        method_name: str,
+        *args: Any,
+        in_sharded_axes: list[str] | None = None,
+        replicate_on_axes: list[str] | None = None,
+        output_is_replicated: list[str] | None = None,
+        make_dummy_calls_to_free_axes: bool = False,
+        common_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> MultiWorkerFuture:
+        """Send each worker the shard for its coordinates (see ``dispatch.sharded``).
+
+        ``in_sharded_axes``: data is nested lists indexed by these axes, in this order (a
+        value that shards itself, such as a ``BatchedDataDict``, may be given whole for
+        one axis). ``replicate_on_axes``: every worker along these axes gets the same
+        shard. Free axes (neither): only index 0 is called (others get ``None`` data with
+        ``make_dummy_calls_to_free_axes``). Results come from index 0 of free axes and of
+        ``output_is_replicated`` axes.
+
+        Args:
+            method_name: the worker method's name.
+            *args, **kwargs: the data, nested lists indexed by ``in_sharded_axes``.
+            in_sharded_axes: the axes the data is sharded over.
+            replicate_on_axes: the axes along which every worker gets the same shard.
+            output_is_replicated: the axes whose results come from index 0 only.
+            make_dummy_calls_to_free_axes: call the free axes' other workers with ``None`` data.
+            common_kwargs: keyword arguments every called worker gets.
+
+        Returns:
+            A ``MultiWorkerFuture`` whose results are those of the workers that return.
+
+        Raises:
+            DispatchError: the data do not match the axes.
+            UnknownMethodError: the worker class has no such public method.
+        """
+        return self._nemo.run_sharded_data(
+            self.sharding_annotations,
+            method_name,
+            args,
+            kwargs,
+            in_sharded_axes=in_sharded_axes,
+            replicate_on_axes=replicate_on_axes,
+            output_is_replicated=output_is_replicated,
+            make_dummy_calls_to_free_axes=make_dummy_calls_to_free_axes,
+            common_kwargs=common_kwargs,
+        )
+
+    def get_all_worker_results(
+        self, future_bundle: MultiWorkerFuture, return_generators_as_proxies: bool = False
+    ) -> list[Any]:
+        """``future_bundle.get_results(self, ...)``: the selected workers' results.
+
+        Args:
+            future_bundle: the ``MultiWorkerFuture`` of a call on this group.
+            return_generators_as_proxies: return generator methods' generators as they are.
+
+        Returns:
+            The selected workers' results, in worker order.
+
+        Raises:
+            WorkerError: a worker's method raised.
+        """
+        return future_bundle.get_results(
+            self, return_generators_as_proxies=return_generators_as_proxies
+        )
+
+    # ------------------------------------------------------------------ RLlib face
+    def foreach_worker(
+        self,
+        func: Funcs,
+        *,
+        kwargs: dict[str, Any] | None = None,
+        healthy_only: bool = True,
+        remote_worker_ids: list[int] | None = None,
+        timeout_seconds: float | None = None,
+        return_obj_refs: bool = False,
+        mark_healthy: bool = False,
+    ) -> list[Any]:
+        """Run ``func(worker)`` (or the method named ``func``) on each selected worker.
+
+        ``healthy_only`` skips workers not healthy (with a list of functions, one per
+        selected worker, the skipped workers' functions are dropped); ``remote_worker_ids``
+        selects ranks. Results come back in rank order. A failed call raises its error,
+        unless the policy ignores failures (it is then left out and logged). With
+        ``timeout_seconds`` a call still running then produces a hang report and a
+        :class:`~phalanx.group.hang.HangTimeoutError` (with ``ignore_failures``: the finished
+        results, and a warning naming the report); ``timeout_seconds=0`` returns what is
+        ready at once, without a report. ``return_obj_refs`` returns the finished calls'
+        refs; ``mark_healthy``: unhealthy workers that answer are healthy again.
+
+        Args:
+            func: a function of the worker, a method name, or a list of them, one per worker.
+            kwargs: keyword arguments of ``func``.
+            healthy_only: skip workers not healthy.
+            remote_worker_ids: the ranks to call (every rank if None).
+            timeout_seconds: seconds to wait (no bound if None; 0 returns what is ready).
+            return_obj_refs: return the finished calls' Ray refs.
+            mark_healthy: unhealthy workers that answer are healthy again.
+
+        Returns:
+            The results in rank order.
+
+        Raises:
+            WorkerError: a call raised (unless the policy ignores failures).
+            HangTimeoutError: a call was still running after ``timeout_seconds``.
+        """
+        opts = ForeachOptions(
+            kwargs, healthy_only, remote_worker_ids, timeout_seconds, return_obj_refs, mark_healthy
+        )
+        return self._rllib.foreach_values(func, opts)
+
+    def foreach_worker_with_id(
+        self,
+        func: FuncsWithId,
+        *,
+        healthy_only: bool = True,
+        remote_worker_ids: list[int] | None = None,
+        timeout_seconds: float | None = None,
+        return_obj_refs: bool = False,
+        mark_healthy: bool = False,
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Like ``foreach_worker`` with ``func(worker_id, worker)``; the id is the rank.
+
+        Args:
+            func: a function of ``(worker_id, worker)``, or a list of them.
+            healthy_only, remote_worker_ids, timeout_seconds: as for ``foreach_worker``.
+            return_obj_refs, mark_healthy, kwargs: the same.
+
+        Returns:
+            The results in rank order.
+
+        Raises:
+            WorkerError: a call raised (unless the policy ignores failures).
+        """
+        opts = ForeachOptions(
+            kwargs, healthy_only, remote_worker_ids, timeout_seconds, return_obj_refs, mark_healthy
+        )
+        opts.with_id = True
+        return self._rllib.foreach_values(func, opts)
+
+    def foreach_actor(
+        self,
+        func: Funcs,
+        *,
+        healthy_only: bool = True,
+        remote_actor_ids: list[int] | None = None,
+        timeout_seconds: float | None = None,
+        return_obj_refs: bool = False,
+        mark_healthy: bool = False,
+        kwargs: dict[str, Any] | None = None,
+    ) -> RemoteCallResults:
+        """RLlib's ``FaultTolerantActorManager.foreach_actor``: every finished call's outcome
+        (``.actor_id``, ``.ok``, ``.get()``: the result or the error), errors included,
+        never raised; calls still running after ``timeout_seconds`` are left out.
+
+        Health follows the group's rule: a dead worker is marked unhealthy; an exception
+        does so only with ``RestartPolicy(restart_on_error=True)`` (RLlib's rule).
+
+        Args:
+            func: a function of the worker, a method name, or a list of them, one per worker.
+            healthy_only: skip workers not healthy.
+            remote_actor_ids: the ranks to call (every rank if None).
+            timeout_seconds: seconds to wait (no bound if None).
+            return_obj_refs: return the results' Ray refs instead of their values.
+            mark_healthy: workers out of service that answered are healthy again.
+            kwargs: keyword arguments of ``func``.
+
+        Returns:
+            The ``RemoteCallResults`` of the finished calls.
+        """
+        opts = ForeachOptions(
+            kwargs, healthy_only, remote_actor_ids, timeout_seconds, return_obj_refs, mark_healthy
+        )
+        return self._rllib.foreach(func, opts)[0]
+
+    def foreach_worker_async(
+        self,
+        func: Funcs,
+        *,
+        tag: str | None = None,
+        kwargs: dict[str, Any] | None = None,
+        healthy_only: bool = True,
+        remote_worker_ids: list[int] | None = None,
+        max_in_flight_per_worker: int | None = None,
+    ) -> AsyncSubmission:
+        """Start ``func`` on each selected worker without waiting; collect the results
+        with ``fetch_ready_async_reqs``.
+
+        A worker that already has ``max_in_flight_per_worker`` requests of this ``tag``
+        in flight (default ``group.max_requests_in_flight_per_worker``) is not sent one;
+        the returned :class:`~phalanx.group.requests.AsyncSubmission` lists it as skipped
+        (and a warning is logged). ``int(submission)`` is the number of requests sent.
+
+        Args:
+            func: a function of the worker, a method name, or a list of them.
+            tag: the requests' tag, for ``fetch_ready_async_reqs``.
+            kwargs: keyword arguments of ``func``.
+            healthy_only: skip workers not healthy.
+            remote_worker_ids: the ranks to call (every rank if None).
+            max_in_flight_per_worker: the most requests of ``tag`` one worker has in flight.
+
+        Returns:
+            The ``AsyncSubmission``: the ranks sent a request and those skipped.
+
+        Raises:
+            TypeError: ``tag`` is not a str or None.
+        """
+        budget = (
+            self.max_requests_in_flight_per_worker
+            if max_in_flight_per_worker is None
+            else max_in_flight_per_worker
+        )
+        opts = ForeachOptions(kwargs, healthy_only, remote_worker_ids)
+        return self._rllib.foreach_async(func, tag, opts, budget)
+
+    def foreach_actor_async(
+        self,
+        func: Funcs,
+        tag: str | None = None,
+        *,
+        healthy_only: bool = True,
+        remote_actor_ids: list[int] | None = None,
+    ) -> int:
+        """RLlib's ``FaultTolerantActorManager.foreach_actor_async``: the number of requests sent.
+
+        Args:
+            func: a function of the worker, a method name, or a list of them.
+            tag: the requests' tag, for ``fetch_ready_async_reqs``.
+            healthy_only: skip workers not healthy.
+            remote_actor_ids: the ranks to call (every rank if None).
+
+        Returns:
+            The number of requests sent.
+        """
+        return int(
+            self.foreach_worker_async(
+                func, tag=tag, healthy_only=healthy_only, remote_worker_ids=remote_actor_ids
+            )
+        )
+
+    def num_in_flight_async_reqs(self, tags: str | list[str] | None = None) -> int:
+        """Async requests sent and not yet fetched (of ``tags``, default all).
+
+        Args:
+            tags: the tags to count (every tag if None).
+
+        Returns:
+            The number of requests.
+        """
+        return self._path.requests.num_in_flight(tags)
+
+    def fetch_ready_async_reqs(
+        self,
+        *,
+        tags: str | list[str] | None = None,
+        timeout_seconds: float | None = 0.0,
+        return_obj_refs: bool = False,
+        mark_healthy: bool = False,
+    ) -> list[tuple[int, Any]]:
+        """``(worker_id, result)`` of the async requests (of ``tags``) that are done.
+
+        Waits up to ``timeout_seconds`` for the requests in flight (``None``: until every
+        one has finished; 0: only what is ready now). A request whose worker raised (or
+        died) raises its error, unless the policy ignores failures (then it is logged and
+        left out). When a fetch raises, every other outcome of it (results and further
+        errors) is held and handed out by the next fetch.
+
+        Args:
+            tags: the tags whose requests to fetch (every tag if None).
+            timeout_seconds: seconds to wait for requests in flight.
+            return_obj_refs: return the results' Ray refs instead of their values.
+            mark_healthy: workers out of service that answered are healthy again.
+
+        Returns:
+            A list of ``(worker_id, result)``.
+
+        Raises:
+            WorkerError: a request's worker raised or died (unless the policy ignores failures).
+        """
+        return self._rllib.fetch_values(tags, timeout_seconds, return_obj_refs, mark_healthy)
+
+    def fetch_ready_async_results(
+        self,
+        *,
+        tags: str | list[str] | None = None,
+        timeout_seconds: float | None = 0.0,
+        return_obj_refs: bool = False,
+        mark_healthy: bool = False,
+    ) -> RemoteCallResults:
+        """RLlib's ``FaultTolerantActorManager.fetch_ready_async_reqs`` form: the outcomes
+        of the done requests (``.actor_id``, ``.ok``, ``.get()``), errors included.
+
+        Args:
+            tags, timeout_seconds, return_obj_refs, mark_healthy: as for
+                ``fetch_ready_async_reqs``.
+
+        Returns:
+            The ``RemoteCallResults`` of the done requests.
+        """
+        return as_results(self._rllib.fetch(tags, timeout_seconds, return_obj_refs, mark_healthy))
+
+    def healthy_worker_ids(self) -> list[int]:
+        """Ranks whose worker is healthy (RLlib's worker ids; phalanx ids are 0-based ranks).
+
+        Returns:
+            The healthy ranks, in order.
+        """
+        return self._fault.in_service()
+
+    def num_healthy_workers(self) -> int:
+        """The number of healthy workers.
+
+        Returns:
+            The number.
+        """
+        return len(self.healthy_worker_ids())
+
+    def num_healthy_remote_workers(self) -> int:
+        """Same as ``num_healthy_workers``: every phalanx worker is remote.
+
+        Returns:
+            The number of healthy workers.
+        """
+        return self.num_healthy_workers()
+
+    def num_remote_workers(self) -> int:
+        """The number of workers (all are remote).
+
+        Returns:
+            The number.
+        """
+        return self.world_size
+
+    def num_remote_worker_restarts(self) -> int:
+        """How many times a worker was restarted and came back healthy.
+
+        Returns:
+            The number of restarts.
+        """
+        return self._fault.recoveries
+
+    def probe_unhealthy_workers(self, timeout_seconds: float | None = None) -> list[int]:
+        """Ping unhealthy workers, restore or restart them; return the ranks that came back.
+
+        A restart already under way is waited for (up to ``timeout_seconds``). Ranks
+        restarted in the background since the last probe are included, so a caller that
+        re-syncs what came back (as RLlib's algorithms do) misses none.
+
+        Args:
+            timeout_seconds: seconds to wait for the pings and restarts.
+
+        Returns:
+            The ranks that came back.
+        """
+        return self._rllib.probe_unhealthy_workers(timeout_seconds)
+
+    def is_actor_healthy(self, actor_id: int) -> bool:
+        """RLlib's ``FaultTolerantActorManager.is_actor_healthy``: whether rank ``actor_id``
+        is in service.
+
+        Args:
+            actor_id: the rank.
+
+        Returns:
+            Whether it is healthy.
+
+        Raises:
+            ValueError: ``actor_id`` is out of range.
+        """
+        return self._rllib.is_actor_healthy(actor_id)
+
+    def set_actor_state(self, actor_id: int, healthy: bool) -> None:
+        """RLlib's ``FaultTolerantActorManager.set_actor_state``: put rank ``actor_id`` in or
+        out of service. Out of service, its async requests in flight are dropped (as in
+        RLlib) and it is not restarted; a rank being restarted is left to its restart.
+
+        Args:
+            actor_id: the rank.
+            healthy: True puts it in service, False out.
+
+        Raises:
+            ValueError: ``actor_id`` is out of range.
+            TypeError: ``healthy`` is not a bool.
+        """
+        self._rllib.set_actor_state(actor_id, healthy)
+
+    def take_out_of_service(self, rank: int, reason: str, running: Any = None) -> None:
+        """A failure only the caller saw (its call on ``rank`` stalled): out of service and
+        restarted per policy, as if it raised; ``running`` (the stalled call's ref) must
+        end before a probe pings the rank (``RestartPolicy.until_probed``).
+
+        Args:
+            rank: the rank that stalled.
+            reason: why, for the health events.
+            running: the stalled call's Ray ref.
+
+        Raises:
+            ValueError: ``rank`` is out of range.
+        """
+        self._rllib.take_out_of_service(rank, reason, running)
+
+    def probe_unhealthy_actors(
+        self, timeout_seconds: float | None = None, mark_healthy: bool = False
+    ) -> list[int]:
+        """RLlib's ``FaultTolerantActorManager.probe_unhealthy_actors``: ping every rank out
+        of service (not one being restarted) and return those that answered.
+
+        They stay out of service unless ``mark_healthy`` (RLlib's rule: the caller restores
+        their state first, then calls ``set_actor_state``). ``timeout_seconds=None`` waits
+        up to the policy's ``health_probe_timeout_s`` (RLlib: no bound).
+
+        Args:
+            timeout_seconds: seconds to wait for the pings.
+            mark_healthy: put the ranks that answered back in service.
+
+        Returns:
+            The ranks that answered.
+        """
+        return self._rllib.probe_unhealthy_actors(timeout_seconds, mark_healthy)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(
@@ -749,13 +1168,14 @@ class WorkerGroup(NemoFace, RllibFace):
         Returns:
             Whether the cleanup succeeded (True when there was none).
         """
-        if self._state != _RUNNING:
+        path = self._path
+        if path.state != RUNNING:
             return True
         deadline = time.monotonic() + (30.0 if timeout is None else float(timeout))
         success = True
         if cleanup_method is not None and not force:
             try:
-                self._check_method(cleanup_method)
+                path.check_method(cleanup_method)
                 self.call(cleanup_method).wait(timeout=timeout)
             except Exception as e:  # noqa: BLE001 - reported through the return value
                 logger.warning("group %s: cleanup %s failed: %s", self.name, cleanup_method, e)
@@ -764,15 +1184,15 @@ class WorkerGroup(NemoFace, RllibFace):
             _trace.collect_group(self)  # the workers' trace events die with them otherwise
         self.set_watchdog(None)
         self._fault.close()
-        self._requests.clear()
+        path.requests.clear()
         names = self._roster.kill_all()
         held = wait_names_free(names, max(0.5, deadline - time.monotonic()))
         if held:
             logger.warning(
                 "group %s: actor names %s still registered after shutdown", self.name, held
             )
-        self._all_ranks = []
-        self._state = _SHUT_DOWN
+        path.ranks = []
+        path.state = SHUT_DOWN
         return success
 
     def __repr__(self) -> str:

@@ -3,7 +3,7 @@
 ``GenerationInterface`` is what the GRPO loop needs from a generation backend; phalanx's
 own decoding loop over a Hugging Face model (``HFGenerationWorker``) implements it on CPU or
 GPU, and so does the vLLM engine (``phalanx.llm.vllm_generation.VllmGenerationWorker``).
-Both receive refits through ``GenerationRefitMixin``.
+Both are ``GenerationWorker``s, which receive refits through the ``RefitReceiver`` they hold.
 
 Input of ``generate``: a ``BatchedDataDict`` with right-padded prompt ``input_ids`` [B, P]
 and ``input_lengths`` [B]. Output (right-padded to P + max_new_tokens):
@@ -20,12 +20,14 @@ from __future__ import annotations
 import inspect
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from phalanx._base.heap import reuse_freed_memory
 from phalanx.data import BatchedDataDict
+from phalanx.llm.refit_receiver import RefitReceiver
 from phalanx.worker.worker import Worker
 
 
@@ -145,24 +147,35 @@ def assemble_output(
     )
 
 
-class GenerationRefitMixin:
-    """Receiving halves of the policy worker's refit, on the weight-sync layer's blocks.
+class GenerationWorker(Worker, GenerationInterface):
+    """Base of the generation workers: the rank's device and the receiving half of refit.
 
-    Each loads a whole version into the worker's weights module (``weights_module()``, or
-    ``self.model``: also what ``phalanx.weights.WeightSender`` refits, any transport) and
-    counts it in ``weights_updates``. Needs ``self.rank`` and ``self.device``.
+    It holds a :class:`~phalanx.llm.refit_receiver.RefitReceiver`, which loads each version
+    into the worker's weights module (``weights_module()``, or ``self.model``: also what
+    ``phalanx.weights.WeightSender`` refits, any transport); the refit methods here call it.
+
+    Attributes:
+        device: the rank's device (its GPU when there is one, else the CPU).
+
+    Args:
+        on_applied: called after each version a refit method loaded, or None.
     """
 
-    weights_updates = 0
+    def __init__(self, on_applied: Callable[[], Any] | None = None) -> None:
+        super().__init__()
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        self._refit = RefitReceiver(self, self.rank, self.device, on_applied)
 
-    def _apply(self, layout: Any, tensors: dict[str, torch.Tensor]) -> bool:
-        from phalanx.weights import apply_weights
+    @property
+    def weights_updates(self) -> int:
+        """Versions loaded by this worker's refit methods (a sender's refits not counted)."""
+        return self._refit.updates
 
-        apply_weights(self, layout, tensors)
-        self.weights_updates += 1
-        return True
+    @property
+    def model_update_group(self) -> Any:
+        """The collective refit's process group (None before ``init_collective``)."""
+        return self._refit.model_update_group
 
-    @torch.no_grad()
     def update_weights(self, state_dict: dict[str, Any]) -> bool:
         """Load a full state dict (tensors or arrays, names as in the model) in place.
 
@@ -175,11 +188,7 @@ class GenerationRefitMixin:
         Raises:
             WeightMismatchError: the names or shapes differ from the model's.
         """
-        from phalanx.weights import gather, to_named_tensors
-
-        named = to_named_tensors(state_dict)
-        layout, sources = gather(named)
-        return self._apply(layout, {s.name: t for s, t in zip(layout.specs, sources)})
+        return self._refit.update_weights(state_dict)
 
     def update_weights_from_ipc_handles(self, handles: dict[str, Any]) -> bool:
         """Open the handles of ``DTensorPolicyWorker.get_weights_ipc_handles`` and copy in.
@@ -200,28 +209,7 @@ class GenerationRefitMixin:
         Raises:
             ValueError: ``handles`` is empty or has no handle for this worker's device.
         """
-        from phalanx.weights import mapped_views
-
-        if not isinstance(handles, dict) or not handles:
-            raise ValueError("update_weights_from_ipc_handles: handles must be a non-empty dict")
-        own = self._device_id()
-        handle = handles.get(own)
-        if handle is None:
-            raise ValueError(
-                f"update_weights_from_ipc_handles: no handle for this worker's device {own!r} "
-                f"(have {sorted(handles)}); IPC works on the same node/GPU only"
-            )
-        ok = self._apply(handle["layout"], mapped_views(self, handle))
-        if handle["kind"] == "cuda_ipc":
-            torch.cuda.synchronize()  # the copy is done: the sender may rewrite its buffer
-        return ok
-
-    def _device_id(self) -> str:
-        import socket
-
-        if torch.cuda.is_available():
-            return str(torch.cuda.get_device_properties(self.device).uuid)
-        return f"cpu:{socket.gethostname()}"
+        return self._refit.update_weights_from_ipc_handles(handles)
 
     def init_collective(self, ip: str, port: int, world_size: int, rank_offset: int = 1) -> bool:
         """Join the refit group as rank ``rank_offset + self.rank`` (the policy is rank 0).
@@ -235,16 +223,7 @@ class GenerationRefitMixin:
         Returns:
             True.
         """
-        from phalanx.comm.process_group import join_store
-        from phalanx.weights import new_process_group
-
-        store = join_store(ip, port, 300.0, world_size)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self._refit_store = store
-        self.model_update_group = new_process_group(
-            store, "refit", rank_offset + self.rank, world_size, backend, 300.0
-        )
-        return True
+        return self._refit.init_collective(ip, port, world_size, rank_offset)
 
     def update_weights_from_collective(self, info: dict[str, Any]) -> bool:
         """Receive ``DTensorPolicyWorker.broadcast_weights_for_collective`` and copy it in.
@@ -260,14 +239,7 @@ class GenerationRefitMixin:
         Raises:
             RuntimeError: ``init_collective`` was not called.
         """
-        from phalanx.weights import receive_stream, views
-
-        group = getattr(self, "model_update_group", None)
-        if group is None:
-            raise RuntimeError("update_weights_from_collective: call init_collective first")
-        layout = info["layout"]
-        flat = receive_stream(group, layout, info["bucket_bytes"], self.device)
-        return self._apply(layout, views(flat, layout))
+        return self._refit.update_weights_from_collective(info)
 
     def check_weights_version(self, expected: int | None) -> None:
         """Raise, naming this rank, when it holds another weights version than ``expected``.
@@ -295,7 +267,7 @@ class GenerationRefitMixin:
         return {k: v.detach().cpu().clone() for k, v in target_tensors(module_of(self)).items()}
 
 
-class HFGenerationWorker(GenerationRefitMixin, Worker, GenerationInterface):
+class HFGenerationWorker(GenerationWorker):
     """One generation rank decoding with a Hugging Face causal LM.
 
     Config: ``model_name``, ``temperature`` (1.0), ``top_p`` (1.0), ``max_new_tokens`` (16),
@@ -322,7 +294,6 @@ class HFGenerationWorker(GenerationRefitMixin, Worker, GenerationInterface):
         if getattr(tokenizer, "pad_token_id", None) is None:
             raise ValueError("tokenizer has no pad token (pad_token_id is None)")
         self.tokenizer = tokenizer
-        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         if self.device.type == "cpu":  # each decoding step reallocates its KV cache's growth
             reuse_freed_memory()
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
@@ -345,7 +316,6 @@ class HFGenerationWorker(GenerationRefitMixin, Worker, GenerationInterface):
         self._gen = torch.Generator(device=self.device).manual_seed(
             int(self.cfg.get("seed", 0)) * 1009 + self.rank
         )
-        self.weights_updates = 0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}[rank={self.rank}]"

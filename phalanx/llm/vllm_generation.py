@@ -6,13 +6,14 @@ is checked, and vLLM's presence too, by ``create_group`` before any worker start
 padding; log-probs of the sampled tokens under the unprocessed logits by default).
 
 Refit: the worker receives weights exactly as ``HFGenerationWorker`` does
-(``GenerationRefitMixin``, and the weight sender's transports), into a staging copy of the
-Hugging Face model's tensors (``weights_module()``; on CPU on the sender's node they become
-views of the sender's shared buffer, no copy). The engine loads the staged version through
-the worker extension (``phalanx.llm.vllm_extension``, ``LLM.collective_rpc``): at once after
-a direct ``update_weights*`` call, and before the next ``generate`` after a sender's
-refit. The sender applies a version only between method calls, so one ``generate`` runs on
-one version, which it loads before its first token.
+(``GenerationWorker``'s refit methods, and the weight sender's transports), into a staging
+copy of the Hugging Face model's tensors (``weights_module()``; on CPU on the sender's node
+they become views of the sender's shared buffer, no copy). The engine loads the staged
+version through the worker extension (``phalanx.llm.vllm_extension``,
+``LLM.collective_rpc``): at once after a direct ``update_weights*`` call, and before the
+next ``generate`` after a sender's refit. The sender applies a version only between
+method calls, so one ``generate`` runs on one version, which it loads before its first
+token.
 """
 
 from __future__ import annotations
@@ -24,12 +25,7 @@ from typing import Any
 import torch
 
 from phalanx.data import BatchedDataDict
-from phalanx.llm.generation import (
-    GenerationInterface,
-    GenerationRefitMixin,
-    assemble_output,
-    check_prompts,
-)
+from phalanx.llm.generation import GenerationWorker, assemble_output, check_prompts
 from phalanx.llm.policy_config import PRECISIONS
 from phalanx.llm.vllm_config import (
     INSTALL_HINT,
@@ -37,13 +33,12 @@ from phalanx.llm.vllm_config import (
     engine_kwargs,
     require_vllm,
 )
-from phalanx.worker.worker import Worker
 
 EXTENSION = "phalanx.llm.vllm_extension.WeightsExtension"
 CPU_KV_CACHE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE when unset: vLLM's own default is larger
 
 
-class VllmGenerationWorker(GenerationRefitMixin, Worker, GenerationInterface):
+class VllmGenerationWorker(GenerationWorker):
     """One generation rank holding a ``vllm.LLM`` engine (tensor parallel inside it).
 
     ``tokenizer`` gives the pad token and the default stop token (its eos).
@@ -60,12 +55,11 @@ class VllmGenerationWorker(GenerationRefitMixin, Worker, GenerationInterface):
         return super().create_group(config, tokenizer, **kwargs)
 
     def __init__(self, config: dict[str, Any], tokenizer: Any) -> None:
-        super().__init__()
+        super().__init__(on_applied=self._load_engine)  # a direct load reaches the engine at once
         self.cfg = check_vllm_generation_config(config)
         if getattr(tokenizer, "pad_token_id", None) is None:
             raise ValueError("tokenizer has no pad token (pad_token_id is None)")
         self.tokenizer = tokenizer
-        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         # The engine inside this process (a Ray actor), not a spawned engine-core process.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if self.device.type == "cpu":
@@ -87,7 +81,6 @@ class VllmGenerationWorker(GenerationRefitMixin, Worker, GenerationInterface):
         self.stop_token_ids = list(self.cfg.get("stop_token_ids") or [tokenizer.eos_token_id])
         self.max_positions = int(self.llm.llm_engine.model_config.max_model_len)
         self.staged = self._load_staging(PRECISIONS[self.cfg["vllm_cfg"]["precision"]])
-        self.weights_updates = 0
         self.engine_loads = 0  # versions loaded into the engine
         self._engine_key = self._weights_key()
 
@@ -109,11 +102,6 @@ class VllmGenerationWorker(GenerationRefitMixin, Worker, GenerationInterface):
     def _weights_key(self) -> tuple[int, int]:
         """Identifies the staged weights: the sender's version and direct loads."""
         return (self.weights_version, self.weights_updates)
-
-    def _apply(self, layout: Any, tensors: dict[str, torch.Tensor]) -> bool:
-        ok = super()._apply(layout, tensors)
-        self._load_engine()
-        return ok
 
     @torch.no_grad()
     def _load_engine(self) -> bool:

@@ -10,10 +10,11 @@ import torch
 
 import phalanx as px
 from phalanx.algorithms.grpo_tiny_task import AdditionTask, encode_prompts, sft_batch
-from phalanx.llm.generation import HFGenerationWorker
+from phalanx.llm.generation import GenerationWorker, HFGenerationWorker
 from phalanx.llm.loss import NLLLoss
 from phalanx.llm.policy import Policy
 from phalanx.llm.refit import TRANSPORTS, Refitter
+from phalanx.resources.cluster import find_free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -240,6 +241,58 @@ def test_collective_refit_waits_at_most_peer_timeout_for_a_busy_generator(
 
 def _sleep(worker, seconds):
     time.sleep(seconds)
+
+
+def _refit_state(worker):
+    return worker.weights_updates, worker.model_update_group is not None
+
+
+@pytest.mark.timeout(120)
+def test_nemo_rl_collective_refit_methods_load_the_policy_weights(
+    cluster, setup, model_path, tokenizer
+):
+    """NeMo-RL's collective refit called by hand: policy rank 0 and the generators (at
+    ``rank_offset`` 1) join one process group, the policy broadcasts and each generator
+    copies the weights in, counting one update; before joining it refuses, naming why."""
+    policy, _ = setup
+    pg = policy.worker_group
+    gen = HFGenerationWorker.create_group(_gen_cfg(model_path), tokenizer).launch(
+        cluster, px.NodePlacement(num_workers=2), name="gen_nemo_collective"
+    )
+    try:
+        assert gen.apply(_refit_state, [(0, (), {}), (1, (), {})]).wait(30) == [(0, False)] * 2
+        with pytest.raises(
+            px.WorkerError,
+            match="RuntimeError: update_weights_from_collective: call init_collective first",
+        ):
+            gen.execute_on(0).update_weights_from_collective({}).wait(30)
+        pg.apply(_noise, [(r, (0.05, 31), {}) for r in (0, 1)], label="noise").wait(timeout=60)
+        meta = pg.worker_metadata[0]
+        ip = meta["node_ip"]
+        port = find_free_port(ip, meta["ray_node_id"])
+        joined = [pg.call("init_collective", ip, port, 3), gen.init_collective(ip, port, 3)]
+        assert [h.wait(60) for h in joined] == [[None, None], [True, True]]
+        info = pg.call("prepare_info_for_collective").wait(60)[0]
+        received = gen.update_weights_from_collective(info)
+        pg.call("broadcast_weights_for_collective").wait(60)
+        assert received.wait(60) == [True, True]
+        state = policy.state_dict()
+        for sd in gen.get_state_dict().wait(60):
+            assert all(torch.equal(sd[k], state[k]) for k in state)
+        assert gen.apply(_refit_state, [(0, (), {}), (1, (), {})]).wait(30) == [(1, True)] * 2
+    finally:
+        gen.shutdown()
+
+
+def test_refit_state_is_held_by_the_receiver():
+    """The generation workers' refit state lives in the ``RefitReceiver`` they hold: no
+    class here reads state that another class must set on it."""
+    from phalanx.llm.refit_receiver import RefitReceiver
+    from phalanx.llm.vllm_generation import VllmGenerationWorker
+    from tests.group.test_held_state import foreign_reads
+
+    for cls in (RefitReceiver, GenerationWorker, HFGenerationWorker, VllmGenerationWorker):
+        assert foreign_reads(cls) == [], cls.__name__
 
 
 def _local_worker(model_path, tokenizer, **over):

@@ -150,7 +150,9 @@ def test_ipc_handles_load_through_the_same_path(engine, vllm_model_path, tokeniz
     layout, sources = gather(to_named_tensors(state))
     segment = pack_to_shm(layout, sources, None)
     try:
-        handles = {engine._device_id(): {"kind": "shm", "layout": layout, "name": segment.name}}
+        handles = {
+            engine._refit.device_id(): {"kind": "shm", "layout": layout, "name": segment.name}
+        }
         loads = engine.engine_loads
         assert engine.update_weights_from_ipc_handles(handles)
         assert engine.engine_loads == loads + 1
@@ -160,7 +162,7 @@ def test_ipc_handles_load_through_the_same_path(engine, vllm_model_path, tokeniz
     ref = _hf_greedy(vllm_model_path, tokenizer, data, state)
     assert torch.equal(engine.generate(data, greedy=True)["output_ids"], ref["output_ids"])
     with pytest.raises(ValueError, match="no handle for this worker's device"):
-        engine.update_weights_from_ipc_handles({"cuda:nope": handles[engine._device_id()]})
+        engine.update_weights_from_ipc_handles({"cuda:nope": handles[engine._refit.device_id()]})
 
 
 @pytest.mark.parametrize("backend", ["vllm", "hf"])
