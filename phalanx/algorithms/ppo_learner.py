@@ -221,6 +221,7 @@ class RemoteLearner:
             "recovery/iteration": learner.iteration,
             "recovery/repeated": redone,
             "recovery/reason": reason,
+            "recovery/attempts": restart.attempts,
             "recovery/count": count,
         })  # fmt: skip
         console_line(
