@@ -147,6 +147,7 @@ def train(
                 if evaluating:
                     info.update(recovery.call(step, "evaluation", lambda s=step: run.evaluate(s)))
 
+            run.log_generation_restarts(step, metrics)
             restarts = {**run.restarts(), "policy_restarts": recovery.restarts}
             row = step_metrics(cfg, traj, data, out, {**info, **restarts}, phases)
             row["elapsed_s"] = time.perf_counter() - t_start

@@ -37,6 +37,7 @@ from phalanx.algorithms.run_checkpoints import (
     remove_unfinished_checkpoints,
     write_checkpoint,
 )
+from phalanx.algorithms.worker_recoveries import RestartWatch, recovery_row
 
 
 def derive_max_total_sequence_length(
@@ -252,6 +253,7 @@ class GRPORun:
         self.p_correct: list[tuple[int, float]] = []
         self.warmed_up = False  # the warm-up ran before the policy (LoRA)
         self.cluster: Any = None
+        self._generation_restarts = RestartWatch(lambda: self.generation)
 
     def launch(self, cluster: Any, ckpt: str | None, metrics: Any) -> None:
         """The policy (from checkpoint ``ckpt`` when resuming) and generation groups, placed
@@ -454,6 +456,17 @@ class GRPORun:
     def restarts(self) -> dict[str, int]:
         """Restart counts for the step's metrics row."""
         return {"generation_restarts": self.generation.num_remote_worker_restarts()}
+
+    def log_generation_restarts(self, step: int, metrics: Any) -> None:
+        """A ``recovery/*`` row at ``step`` and a console line for each generation worker
+        its group restarted (and refitted) since the last call."""
+        for r in self._generation_restarts.new():
+            reason = f"{self.generation.name}[rank {r.rank}]: {r.reason}"
+            metrics.log(step, recovery_row(r, "generation", step, **{"recovery/reason": reason}))
+            self.bar.log(
+                f"[grpo] step {step}: generation worker {reason}; restarted and refitted in "
+                f"{r.seconds:.1f} s (its new process: {r.start_seconds:.1f} s)"
+            )
 
     def close(self, failed: bool) -> None:
         """Stop the collector and every group; after a failure a stuck worker gets a short

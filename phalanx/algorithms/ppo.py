@@ -8,12 +8,15 @@ hyperparameters (``PPOConfig``) and the values tuned per env (``TUNED``) in
 
 Sampling runs on an :class:`~phalanx.envs.EnvRunnerGroup`: ``num_env_runners`` remote
 runners (or the local runner when 0), each stepping ``num_envs_per_env_runner`` envs for
-``rollout_fragment_length`` steps per iteration. The learner is this process. In
-``async_sampling`` mode the runners sample the next batch while the learner trains on
-the current one, so each batch was collected with weights one version behind the
-learner (``policy_lag`` in the metrics). A runner that dies is left out of that round,
-restarted by the group, and given the current weights and normaliser before it samples
-again; ``restarts`` in the metrics counts it.
+``rollout_fragment_length`` steps per iteration. The learner trains in this process
+(``num_learners=0``) or in a worker process that is restarted in place when it dies
+(``num_learners=1``, ``ppo_learner.py``); either way this process keeps the policy that
+the runners' weight sync and the checkpoints read. In ``async_sampling`` mode the
+runners sample the next batch while the learner trains on the current one, so each
+batch was collected with weights one version behind the learner (``policy_lag`` in the
+metrics). A runner that dies is left out of that round, restarted by the group, and
+given the current weights and normaliser before it samples again; ``restarts`` in the
+metrics counts it and a ``recovery/*`` row says how long it took.
 
 Start-up overlaps (``ppo_run.start_run``): a helper thread imports torch and builds the
 learner while this thread starts Ray and the env runners, so torch is imported inside
@@ -45,6 +48,7 @@ from phalanx.algorithms.ppo_run import (
     save_learner,
     start_run,
 )
+from phalanx.algorithms.worker_recoveries import RestartWatch, console_line, recovery_row
 from phalanx.observe.breakdown import WallBreakdown, process_age_s
 
 if TYPE_CHECKING:
@@ -177,6 +181,7 @@ def train(
     progress: bool | None = None,
     on_iteration: Callable[[dict[str, Any], Any], bool | None] | None = None,
     times: WallBreakdown | None = None,
+    on_update: Callable[[Learner], None] | None = None,
 ) -> dict[str, Any]:
     """Run PPO until ``max_timesteps`` or ``stop_return``; returns a summary dict.
 
@@ -184,7 +189,8 @@ def train(
     ``learning_curve.png``. ``resume`` continues from the newest checkpoint (step count, policy, optimizer, normaliser).
     ``on_iteration(metrics, env_runner_group)`` is called after every iteration; a true
     return value stops the run there. ``times`` collects the wall-time breakdown (the
-    summary's ``breakdown``; a new one when not given).
+    summary's ``breakdown``; a new one when not given). ``on_update(learner)`` is called
+    before every update (tests act on the learner's worker, ``learner.remote``, there).
     """
     from phalanx.observe.metrics import MetricsLogger
     from phalanx.observe.phases import StepPhases
@@ -194,7 +200,8 @@ def train(
     times = times if times is not None else WallBreakdown()
     cfg, run_dir, ckpt = open_run(cfg, resume)
     runners, learner = start_run(cfg, ckpt, cluster, times)  # holding the learner's weights
-    policy, optimizer = learner.policy, learner.optimizer
+    policy, optimizer, remote = learner.policy, learner.optimizer, learner.remote
+    runner_restarts = RestartWatch(lambda: runners.remote_group)
     log = MetricsLogger(run_dir, use_wandb=cfg.wandb)
     if ckpt is not None:  # rows of iterations after the checkpoint are redone now
         log.drop_after(learner.timesteps)
@@ -235,6 +242,7 @@ def train(
                 continue
             # 3. learn: advantages per runner (GAE), then clipped-surrogate minibatch epochs
             learner_version = runners.weights_version
+            before = (learner.timesteps, learner.iteration, learner.episodes)
             new_returns = count_iteration(learner, batches)
             recent.extend(new_returns)
             if stop_return_reached(cfg, recent):  # this batch's policy made it; it still trains
@@ -242,8 +250,21 @@ def train(
             if cfg.anneal_lr:
                 frac = max(1.0 - learner.timesteps / cfg.max_timesteps, cfg.lr_floor)
                 optimizer.param_groups[0]["lr"] = frac * cfg.learning_rate
-            with phases("train", "learning", breakdown="learning"):
-                stats = ppo_update(policy, optimizer, flatten_batches(batches, cfg), cfg)
+            if on_update is not None:
+                on_update(learner)
+            try:
+                with phases("train", "learning", breakdown="learning"):
+                    data = flatten_batches(batches, cfg)
+                    if remote is None:
+                        stats = ppo_update(policy, optimizer, data, cfg)
+                    else:  # redone on the same batch if the learner's process dies under it
+                        lr = optimizer.param_groups[0]["lr"]
+                        stats = {**remote.update(data, lr, bar, log),
+                                 "time/keep_state": remote.keep_seconds}  # fmt: skip
+            except BaseException:
+                if remote is not None:  # the counts go with the kept state: the last update's
+                    learner.timesteps, learner.iteration, learner.episodes = before
+                raise
             synced = False
             # 4. synchronous mode: weights out, next round in
             if not cfg.async_sampling:
@@ -268,8 +289,10 @@ def train(
                     "throughput/steps_per_s": (learner.timesteps - first_timesteps)
                     / max(now - t_loop, 1e-9),
                     **runner_metrics(runners, batches, learner_version),
+                    "learner_restarts": 0 if remote is None else remote.restarts,
                 }
                 log.log(learner.timesteps, row)
+                log_runner_restarts(runner_restarts, runners, learner, bar, log)
                 bar.update(learner.timesteps, {**row, "return_mean": row["return_mean_recent"]})
             stopped = on_iteration is not None and bool(on_iteration(row, runners))
             finishing = reached_at is not None or stopped
@@ -285,6 +308,9 @@ def train(
         restarts = runners.num_remote_worker_restarts()
         with times.phase("env runners stop"):
             runners.stop()
+        if remote is not None:
+            with times.phase("learner worker stop"):
+                remote.stop()
     with times.phase("plotting"):
         from phalanx.observe.metrics import read_metrics
         from phalanx.observe.plots import plot_learning_curve
@@ -304,6 +330,7 @@ def train(
         "train_loop_s": train_loop_s,
         "steps_per_s": row.get("throughput/steps_per_s", float("nan")),
         "restarts": restarts,
+        "learner_restarts": 0 if remote is None else remote.restarts,
         "run_dir": str(run_dir),
         "breakdown": times.as_dict(wall),
     }
@@ -317,6 +344,23 @@ def count_iteration(learner: Learner, batches: list[dict[str, Any]]) -> list[flo
     learner.iteration += 1
     learner.episodes += len(new_returns)
     return new_returns
+
+
+def log_runner_restarts(
+    watch: RestartWatch, runners: EnvRunnerGroup, learner: Learner, bar: Any, log: Any
+) -> None:
+    """A ``recovery/*`` row and a console line for each env runner restarted since the
+    last iteration (the round it died in went on without it)."""
+    for r in watch.new():
+        reason = f"{runners.remote_group.name}[rank {r.rank}]: {r.reason}"
+        extra = {"recovery/iteration": learner.iteration, "recovery/reason": reason}
+        log.log(learner.timesteps, recovery_row(r, "env_runner", learner.timesteps, **extra))
+        console_line(
+            bar,
+            f"[ppo] iteration {learner.iteration}: env runner {reason}; restarted and given "
+            f"the current weights in {r.seconds:.1f} s (its new process: "
+            f"{r.start_seconds:.1f} s)",
+        )
 
 
 def stop_return_reached(cfg: PPOConfig, recent: deque[float]) -> bool:
@@ -435,7 +479,8 @@ def _run(cfg: PPOConfig, args: TrainPPO, run_dir: Path) -> int:
         f"{cfg.env}: {summary['timesteps']:,} timesteps, mean return "
         f"{summary['return_mean_recent']:.1f}"
         + (f" (stop return reached {reached:.1f} s after start)" if reached is not None else "")
-        + f", {summary['steps_per_s']:,.0f} env steps/s, {summary['restarts']} restarts; "
+        + f", {summary['steps_per_s']:,.0f} env steps/s, {summary['restarts']} env runner "
+        f"restarts, {summary['learner_restarts']} learner restarts; "
         f"run folder {summary['run_dir']}"
     )
     if cfg.stop_return is not None and not summary["reached_stop_return"]:

@@ -85,6 +85,10 @@ class PPOConfig:
     init_log_std: float = 0.0
     """initial log std of a Gaussian policy (continuous actions)"""
     # --- runtime
+    num_learners: int = 0
+    """0: the learner trains in this process; 1: in a worker restarted in place if it dies"""
+    max_restarts: int = 3
+    """learner restarts per run (num_learners=1); the next death ends the run (exit 4)"""
     async_sampling: Annotated[bool, alias("--async")] = False
     """sample the next batch while the learner trains (one weights version behind)"""
     restart_failed_env_runners: bool = True
@@ -130,6 +134,14 @@ class PPOConfig:
         harness.check_run_name(self.name)
         check_int(self.num_env_runners, "num_env_runners", minimum=0)
         check_int(self.num_standby_env_runners, "num_standby_env_runners", minimum=0)
+        check_int(self.num_learners, "num_learners", minimum=0)
+        if self.num_learners > 1:
+            raise ValueError(
+                f"num_learners must be 0 or 1, got {self.num_learners}: data-parallel "
+                "learners are not implemented (PPO's CartPole-sized networks train in "
+                "milliseconds; one learner process is the restartable unit)"
+            )
+        check_int(self.max_restarts, "max_restarts", minimum=0)
         for name in ("num_envs_per_env_runner", "rollout_fragment_length", "max_timesteps",
                      "stop_window", "stop_min_episodes", "minibatch_size", "update_epochs",
                      "checkpoint_every", "torch_threads"):  # fmt: skip

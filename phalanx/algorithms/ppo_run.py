@@ -150,10 +150,22 @@ def build_policy(cfg: PPOConfig, observation_space: Any, action_space: Any) -> t
     )
 
 
+def build_optimizer(cfg: PPOConfig, policy: torch.nn.Module) -> torch.optim.Optimizer:
+    """Adam over ``policy``'s parameters with ``cfg``'s learning rate and epsilon."""
+    import torch
+
+    # foreach: one kernel per step for all tensors (not the CPU default), a shorter update
+    return torch.optim.Adam(
+        policy.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps, foreach=True
+    )
+
+
 # ---------------------------------------------------------------------------- start-up
 @dataclass
 class Learner:
-    """The learner's state: policy, optimizer, spaces and counters."""
+    """The learner's state: policy, optimizer, spaces and counters; with
+    ``num_learners=1`` also ``remote``, the worker that trains (a ``RemoteLearner``),
+    and then the policy and optimizer here are the state it kept after its last update."""
 
     policy: Any
     optimizer: Any
@@ -161,6 +173,7 @@ class Learner:
     timesteps: int = 0
     iteration: int = 0
     episodes: int = 0
+    remote: Any = None
 
 
 def build_learner(cfg: PPOConfig, ckpt: dict[str, Any] | None) -> Learner:
@@ -178,10 +191,7 @@ def build_learner(cfg: PPOConfig, ckpt: dict[str, Any] | None) -> Learner:
     spaces = (env.observation_space, env.action_space)
     env.close()
     policy = build_policy(cfg, *spaces)
-    # foreach: one kernel per step for all tensors (not the CPU default), a shorter update
-    optimizer = torch.optim.Adam(
-        policy.parameters(), lr=cfg.learning_rate, eps=cfg.adam_eps, foreach=True
-    )
+    optimizer = build_optimizer(cfg, policy)
     learner = Learner(policy, optimizer, spaces)
     if ckpt is not None:
         policy.load_state_dict(ckpt["policy"])
@@ -228,8 +238,9 @@ def start_run(
 ) -> tuple[EnvRunnerGroup, Learner]:
     """The env runners and the learner, the runners holding the learner's weights (and
     the checkpoint's normaliser). Ray (when no ``cluster`` is given) and the runners
-    start on this thread while a helper thread builds the learner; the runners are
-    stopped again if anything fails.
+    start on this thread while a helper thread builds the learner and, with
+    ``num_learners=1``, another starts the learner's worker (``learner.remote``), which
+    then gets the learner's state; everything started is stopped again if anything fails.
 
     Raises:
         ValueError: the runners' spaces differ from the learner's.
@@ -238,14 +249,22 @@ def start_run(
         "ppo-learner-init", _timed, times, "learner init", build_learner, cfg, ckpt
     )
     runners = None
+    remote_future: Future[Any] | None = None
     try:
-        if cluster is None and cfg.num_env_runners > 0:
+        if cluster is None and (cfg.num_env_runners > 0 or cfg.num_learners > 0):
             from phalanx.resources.ray_start import start_ray
 
             with times.phase("ray start"):
                 runners_and_standby = cfg.num_env_runners + cfg.num_standby_env_runners
                 slots = runners_and_standby * cfg.env_runner_config().num_cpus_per_env_runner
-                start_ray(math.ceil(slots) + 1)  # the runners' slots and a spare
+                start_ray(math.ceil(slots) + cfg.num_learners + 1)  # the workers' and a spare
+        if cfg.num_learners:
+            from phalanx.algorithms.ppo_learner import RemoteLearner
+
+            remote_future = harness.in_background(
+                "ppo-learner-worker", _timed, times, "learner worker start", RemoteLearner,
+                cfg, cluster, f"ppo_learner_{cfg.name}_{os.getpid()}",
+            )  # fmt: skip
         from phalanx.envs import EnvRunnerGroup
 
         with times.phase("env runners start"):
@@ -268,6 +287,10 @@ def start_run(
                 f"env: the runners' spaces {remote_spaces} differ from the learner's "
                 f"{learner.spaces}"
             )
+        if remote_future is not None:
+            with times.phase("waiting for the learner worker"):
+                learner.remote = harness.result_of(remote_future)
+                learner.remote.take(learner)
         with times.phase("first weight sync"):
             if ckpt is not None:
                 runners.set_connector_state(ckpt["connector"])
@@ -275,6 +298,8 @@ def start_run(
     except BaseException:
         if runners is not None:
             runners.stop()
+        if remote_future is not None and remote_future.done() and not remote_future.exception():
+            remote_future.result().stop()
         raise
     return runners, learner
 

@@ -221,6 +221,10 @@ def test_generation_worker_killed_mid_run_within_and_beyond_max_failures(cluster
     assert [h["step"] for h in hist] == [1, 2, 3, 4, 5]
     assert hist[0]["generation_restarts"] == 0 and hist[-1]["generation_restarts"] == 1
     assert hist[-1]["async/generation_failures"] == 1
+    (rec,) = [r for r in read_metrics(run_dir) if "recovery/seconds" in r]  # its restart's row
+    assert (rec["recovery/group"], rec["recovery/rank"]) == ("generation", 0)
+    assert rec["recovery/step"] == rec["step"] >= 2
+    assert 0 < rec["recovery/start_seconds"] <= rec["recovery/seconds"]
 
     run_dir = str(tmp_path / "aborted")
     killed.clear()

@@ -88,11 +88,16 @@ def test_killed_runner_restarts_and_training_completes(cluster, tmp_path):
     out = train(cfg, cluster=cluster, progress=False, on_iteration=kill_once)
     assert len(killed) == 1 and out["stopped_by_callback"], out
     assert out["restarts"] == 1  # exactly one kill, exactly one restart
-    rows = read_metrics(tmp_path / "t")
+    rows = [r for r in read_metrics(tmp_path / "t") if "return_mean" in r]
     assert min(r["batch_runners"] for r in rows) == 1  # the round it died in went on without it
-    rows = read_metrics(tmp_path / "t")
     assert rows[-1]["restarts"] == 1 and rows[-1]["healthy_env_runners"] == 2
     assert rows[-1]["batch_runners"] == 2  # the restarted runner samples again
+    # the restart's row: from the death being seen to the runner being back with weights
+    (rec,) = [r for r in read_metrics(tmp_path / "t") if "recovery/seconds" in r]
+    assert rec["recovery/group"] == "env_runner" and rec["recovery/rank"] == 0
+    assert rec["recovery/step"] == rec["step"] and rec["recovery/iteration"] >= 2
+    assert rec["recovery/reason"].startswith(f"ppo_t_{os.getpid()}[rank 0]: actor died")
+    assert 0 < rec["recovery/start_seconds"] <= rec["recovery/seconds"]
 
 
 @pytest.mark.timeout(150)
