@@ -83,9 +83,11 @@ def _first_step_done(metrics: Path) -> bool:
 
 
 def _killer(driver: psutil.Process, metrics: Path, every: tuple[float, float], seed: int,
-            stop: threading.Event, kills: list[tuple[float, str, int]], t0: float) -> None:  # fmt: skip
+            stop: threading.Event, kills: list[tuple[float, str, int]], t0: float,
+            policy_wall: list[float]) -> None:  # fmt: skip
     """SIGKILL a policy rank or a generation worker (in turn, a random one of the role)
-    every ``every`` seconds (uniform), from the end of the first step on."""
+    every ``every`` seconds (uniform), from the end of the first step on; the wall time of
+    each policy kill goes into ``policy_wall``."""
     rng = random.Random(seed)
     while not stop.is_set() and not _first_step_done(metrics):
         stop.wait(0.2)
@@ -99,6 +101,8 @@ def _killer(driver: psutil.Process, metrics: Path, every: tuple[float, float], s
                 victim = rng.choice(procs)
                 try:
                     os.kill(victim.pid, signal.SIGKILL)
+                    if role == ROLES[0]:
+                        policy_wall.append(time.time())
                     kills.append((time.perf_counter() - t0, role, victim.pid))
                     turn += 1
                     next_at = time.perf_counter() + rng.uniform(*every)
@@ -211,7 +215,9 @@ def run_once(chaos: bool, args: argparse.Namespace) -> dict:
 
         def killer(driver: psutil.Process, stop: threading.Event) -> None:
             every = (args.every_min, args.every_max)
-            _killer(driver, run_dir / "metrics.jsonl", every, args.seed, stop, kills, t0)
+            _killer(
+                driver, run_dir / "metrics.jsonl", every, args.seed, stop, kills, t0, kills_wall
+            )
 
     returncode, out, err = run_with_killer(argv, args.timeout, killer)
     rows = []

@@ -26,13 +26,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from phalanx._base.errors import WorkerDiedError, WorkerError
+from phalanx.algorithms.worker_recoveries import RestartBudgetSpentError
 
 R = TypeVar("R")
 SHM = "/dev/shm"
-
-
-class RestartBudgetSpentError(WorkerDiedError):
-    """A policy rank died after the run had used its ``max_restarts`` relaunches."""
 
 
 def dead_rank(group: Any, error: WorkerError) -> int | None:

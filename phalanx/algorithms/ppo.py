@@ -186,11 +186,12 @@ def train(
     """Run PPO until ``max_timesteps`` or ``stop_return``; returns a summary dict.
 
     Writes ``runs_dir/name/metrics.jsonl``, ``checkpoints/step_<iteration>`` and
-    ``learning_curve.png``. ``resume`` continues from the newest checkpoint (step count, policy, optimizer, normaliser).
-    ``on_iteration(metrics, env_runner_group)`` is called after every iteration; a true
-    return value stops the run there. ``times`` collects the wall-time breakdown (the
-    summary's ``breakdown``; a new one when not given). ``on_update(learner)`` is called
-    before every update (tests act on the learner's worker, ``learner.remote``, there).
+    ``learning_curve.png``. ``resume`` continues from the newest checkpoint (step count,
+    policy, optimizer, normaliser). ``on_iteration(metrics, env_runner_group)`` is called
+    after every iteration; a true return value stops the run there. ``times`` collects
+    the wall-time breakdown (the summary's ``breakdown``; a new one when not given).
+    ``on_update(learner)`` is called before every update (tests act on the learner's
+    worker, ``learner.remote``, there).
     """
     from phalanx.observe.metrics import MetricsLogger
     from phalanx.observe.phases import StepPhases
@@ -252,19 +253,8 @@ def train(
                 optimizer.param_groups[0]["lr"] = frac * cfg.learning_rate
             if on_update is not None:
                 on_update(learner)
-            try:
-                with phases("train", "learning", breakdown="learning"):
-                    data = flatten_batches(batches, cfg)
-                    if remote is None:
-                        stats = ppo_update(policy, optimizer, data, cfg)
-                    else:  # redone on the same batch if the learner's process dies under it
-                        lr = optimizer.param_groups[0]["lr"]
-                        stats = {**remote.update(data, lr, bar, log),
-                                 "time/keep_state": remote.keep_seconds}  # fmt: skip
-            except BaseException:
-                if remote is not None:  # the counts go with the kept state: the last update's
-                    learner.timesteps, learner.iteration, learner.episodes = before
-                raise
+            with phases("train", "learning", breakdown="learning"):
+                stats = learn(learner, flatten_batches(batches, cfg), cfg, before, bar, log)
             synced = False
             # 4. synchronous mode: weights out, next round in
             if not cfg.async_sampling:
@@ -334,6 +324,23 @@ def train(
         "run_dir": str(run_dir),
         "breakdown": times.as_dict(wall),
     }
+
+
+def learn(learner: Learner, data: dict[str, torch.Tensor], cfg: PPOConfig,
+          before: tuple[int, int, int], bar: Any, log: Any) -> dict[str, float]:  # fmt: skip
+    """One update on the iteration's batch: in this process (``num_learners=0``) or on
+    the learner's worker, redone there on the same batch if its process dies under it.
+    If the update fails for good, the counters go back to ``before``, the last finished
+    iteration's, which the kept state (and so the final checkpoint) holds."""
+    remote = learner.remote
+    if remote is None:
+        return ppo_update(learner.policy, learner.optimizer, data, cfg)
+    try:
+        stats = remote.update(data, learner.optimizer.param_groups[0]["lr"], bar, log)
+    except BaseException:
+        learner.timesteps, learner.iteration, learner.episodes = before
+        raise
+    return {**stats, "time/keep_state": remote.keep_seconds}
 
 
 def count_iteration(learner: Learner, batches: list[dict[str, Any]]) -> list[float]:

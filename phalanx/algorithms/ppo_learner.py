@@ -24,9 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import phalanx as px
 from phalanx._base.errors import WorkerDiedError, WorkerError
-from phalanx.algorithms.grpo_recovery import RestartBudgetSpentError
 from phalanx.algorithms.ppo_config import PPOConfig
-from phalanx.algorithms.worker_recoveries import Restart, RestartWatch, console_line
+from phalanx.algorithms.worker_recoveries import (
+    Restart,
+    RestartBudgetSpentError,
+    RestartWatch,
+    console_line,
+)
 
 if TYPE_CHECKING:
     import torch

@@ -15,6 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from phalanx._base.errors import WorkerDiedError
+
+
+class RestartBudgetSpentError(WorkerDiedError):
+    """A worker of a training run died after the run had used its ``max_restarts``
+    restarts (GRPO: of its policy group; PPO: of its learner)."""
+
 
 @dataclass(frozen=True)
 class Restart:
