@@ -30,6 +30,10 @@ runners cost, and (CartPole) the RLlib figure is the anchor measured earlier her
     python benchmarks/bench_ppo.py --env HalfCheetah-v5 --vs-rllib --seeds 1
     python benchmarks/bench_ppo.py --env HalfCheetah-v5 --vs-rllib --rllib-settings phalanx
 
+``--vs-learner-worker`` runs, right after each phalanx run, the same command with
+``--num-learners 1`` (the learner in a restartable worker process instead of the driver)
+and prints the RATIO of its median time to the local learner's.
+
 ``--rllib-settings phalanx`` gives RLlib phalanx's hyperparameters instead of its own
 tuned example (``rllib_ppo.py`` says which): the same algorithm on both runtimes.
 
@@ -255,6 +259,8 @@ def main() -> None:
                    help="run RLlib 2.60 PPO after each phalanx run and print the RATIO")  # fmt: skip
     p.add_argument("--vs-single-process", action="store_true",
                    help="run the CleanRL-style one-process PPO after each phalanx run")  # fmt: skip
+    p.add_argument("--vs-learner-worker", action="store_true",
+                   help="run the same command with --num-learners 1 after each phalanx run")  # fmt: skip
     p.add_argument("--rllib-settings", default="rllib", choices=("rllib", "phalanx"),
                    help="RLlib's tuned example, or phalanx's hyperparameters (rllib_ppo.py)")  # fmt: skip
     p.add_argument("--rllib-venv", default=DEFAULT_RLLIB_VENV,
@@ -273,7 +279,7 @@ def main() -> None:
     if args.vs_rllib and not rllib_python(args.rllib_venv).exists():
         sys.exit(f"--vs-rllib: no RLlib environment at {args.rllib_venv}; pass --setup-rllib "
                  "to create it (or --rllib-venv / PHALANX_RLLIB_VENV to point at one)")  # fmt: skip
-    ours, base, rllib, single = [], [], [], []
+    ours, base, rllib, single, worker = [], [], [], [], []
     for i, seed in enumerate(seeds):  # baselines run interleaved: load drifts hit both
         ours.append(run(task, seed, 2, extra))
         show("phalanx, 2 env runners", task, ours[-1])
@@ -283,6 +289,9 @@ def main() -> None:
         if args.vs_single_process:
             single.append(run_single(task, seed))
             show("single process (CleanRL-style)", task, single[-1])
+        if args.vs_learner_worker:
+            worker.append(run(task, seed, 2, [*extra, "--num-learners", "1"]))
+            show("phalanx, learner in a worker", task, worker[-1])
         if i < len(base_seeds):
             base.append(run(task, base_seeds[i], 0, extra))
             show("baseline, one process", task, base[-1])
@@ -309,6 +318,13 @@ def main() -> None:
               f"{task.stop_return:g} (start-up included): {med:.1f} s / {smed:.1f} s = "
               f"{med / smed:.2f}x (goal <= {goal}x); per seed "
               + ", ".join(f"{a['t_stop'] / b['t_stop']:.2f}" for a, b in zip(ours, single)))  # fmt: skip
+    worker_done = [r for r in worker if r["reached"]]
+    if worker_done and done:
+        wmed = median_t(worker_done)
+        print(f"RATIO learner in a worker (--num-learners 1) / in the driver, median time to "
+              f"{task.stop_return:g} (start-up included): {wmed:.1f} s / {med:.1f} s = "
+              f"{wmed / med:.2f}x; per seed "
+              + ", ".join(f"{a['t_stop'] / b['t_stop']:.2f}" for a, b in zip(worker, ours)))  # fmt: skip
     base = [r for r in base if r["reached"]]
     if base and done:
         bmed = median_t(base)
@@ -319,7 +335,7 @@ def main() -> None:
     print("median breakdown over the phalanx runs (s):")
     for k in sorted(keys, key=lambda k: -statistics.median(r["breakdown"].get(k, 0) for r in runs)):
         print(f"  {k:<32} {statistics.median(r['breakdown'].get(k, 0.0) for r in runs):6.2f}")
-    sys.exit(0 if ok and all(r["ok"] for r in rllib + single) else 1)
+    sys.exit(0 if ok and all(r["ok"] for r in rllib + single + worker) else 1)
 
 
 if __name__ == "__main__":
