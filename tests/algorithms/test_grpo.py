@@ -304,6 +304,9 @@ def test_grpo_survives_a_generation_worker_killed_between_steps(cli_run):
     assert hist[0]["generation_restarts"] == 0
     assert hist[1]["generation_restarts"] == 1  # restarted, refitted, and step 2 ran
     assert all(h["response_length"] > 0 for h in hist)
+    recoveries = [r for r in cli_run["rows"] if "recovery/group" in r]
+    assert [(r["recovery/group"], r["step"]) for r in recoveries] == [("generation", 2)]
+    assert recoveries[0]["recovery/seconds"] >= recoveries[0]["recovery/start_seconds"] > 0
 
 
 @pytest.mark.slow(reason=_CLI_RUN_COST)
@@ -315,7 +318,7 @@ def test_two_steps_through_the_cli_then_resume(cli_run):
     assert cli_run["code"] == 0
     assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2]
     assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 1, 2]
-    step2 = [r for r in rows if r["step"] == 2][0]
+    step2 = [r for r in rows if r["step"] == 2 and "reward_mean" in r][0]  # not a recovery row
     for key in ("time/generation", "time/training", "memory/generation_peak_gb",
                 "memory/training_peak_gb", "truncated", "groups_with_signal"):  # fmt: skip
         assert key in step2, key
