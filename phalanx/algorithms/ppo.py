@@ -38,6 +38,7 @@ import numpy as np
 
 from phalanx.algorithms import _harness as harness
 from phalanx.algorithms.ppo_config import TUNED, PPOConfig
+from phalanx.algorithms.ppo_learner import RemoteLearner
 from phalanx.algorithms.ppo_run import (
     Learner,
     build_learner,
@@ -200,7 +201,7 @@ def train(
     t_start = time.perf_counter()
     times = times if times is not None else WallBreakdown()
     cfg, run_dir, ckpt = open_run(cfg, resume)
-    runners, learner = start_run(cfg, ckpt, cluster, times)  # holding the learner's weights
+    runners, learner = start_run(cfg, ckpt, cluster, times, start_learner_worker)
     policy, optimizer, remote = learner.policy, learner.optimizer, learner.remote
     runner_restarts = RestartWatch(lambda: runners.remote_group)
     log = MetricsLogger(run_dir, use_wandb=cfg.wandb)
@@ -341,6 +342,11 @@ def learn(learner: Learner, data: dict[str, torch.Tensor], cfg: PPOConfig,
         learner.timesteps, learner.iteration, learner.episodes = before
         raise
     return {**stats, "time/keep_state": remote.keep_seconds}
+
+
+def start_learner_worker(cfg: PPOConfig, cluster: Any, name: str) -> RemoteLearner:
+    """The learner's worker (``num_learners=1``), running :func:`ppo_update`."""
+    return RemoteLearner(cfg, cluster, name, ppo_update)
 
 
 def count_iteration(learner: Learner, batches: list[dict[str, Any]]) -> list[float]:

@@ -20,6 +20,7 @@ trained twice, nothing skipped.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import phalanx as px
@@ -37,6 +38,11 @@ if TYPE_CHECKING:
 
     from phalanx.algorithms.ppo_run import Learner
 
+# ppo_update(policy, optimizer, data, cfg) -> statistics: the update the worker runs
+# (``phalanx.algorithms.ppo.ppo_update``, given by the caller, so the loop's module is
+# not imported from here).
+Update = Callable[[Any, Any, dict[str, Any], PPOConfig], dict[str, float]]
+
 GROUP = "learner"  # recovery/group of the learner's restarts
 # Seconds a restarted learner may take to be healthy again: a process start on a loaded
 # machine, as Ray's own start is given (PHALANX_RAY_START_TIMEOUT_S's default).
@@ -49,15 +55,17 @@ class LearnerRestartBudgetSpentError(RestartBudgetSpentError):
 
 class PPOLearnerWorker(px.Worker):
     """The learner's process: a policy and optimizer built as the driver's are, trained
-    by :func:`~phalanx.algorithms.ppo.ppo_update` on the batches the driver sends."""
+    by ``update`` (:func:`~phalanx.algorithms.ppo.ppo_update`) on the batches the driver
+    sends."""
 
-    def __init__(self, cfg: PPOConfig) -> None:
+    def __init__(self, cfg: PPOConfig, update: Update) -> None:
         super().__init__()
         import gymnasium as gym
         import torch
 
         from phalanx.algorithms.ppo_run import build_optimizer, build_policy
 
+        self._update = update
         torch.set_num_threads(cfg.torch_threads)
         env = gym.make(cfg.env, disable_env_checker=True, **cfg.env_config)
         spaces = (env.observation_space, env.action_space)
@@ -85,13 +93,11 @@ class PPOLearnerWorker(px.Worker):
         last ``set_state`` took."""
         import torch
 
-        from phalanx.algorithms.ppo import ppo_update
-
         # The count is kept per thread and the actor's calls may run on another thread
         # than its __init__.
         torch.set_num_threads(self.cfg.torch_threads)
         self.optimizer.param_groups[0]["lr"] = lr
-        stats = ppo_update(self.policy, self.optimizer, data, self.cfg)
+        stats = self._update(self.policy, self.optimizer, data, self.cfg)
         state = (self.policy.state_dict(), self.optimizer.state_dict(), torch.get_rng_state())
         return stats, state, self.load_seconds
 
@@ -108,9 +114,10 @@ class RemoteLearner:
         cfg: the run's config.
         cluster: the cluster to start the worker on (None: ``px.Cluster()``).
         name: the group's name.
+        update: the update the worker runs (``ppo_update``).
     """
 
-    def __init__(self, cfg: PPOConfig, cluster: Any, name: str) -> None:
+    def __init__(self, cfg: PPOConfig, cluster: Any, name: str, update: Update) -> None:
         self.cfg = cfg
         self.learner: Learner | None = None  # the driver's copy, given by take()
         self.max_restarts = cfg.max_restarts
@@ -118,7 +125,7 @@ class RemoteLearner:
         self.keep_seconds = 0.0  # the last update's: keeping the state it left
         self._between: list[tuple[Restart, int]] = []  # restarts not logged yet
         policy = px.RestartPolicy(max_restarts_per_worker=cfg.max_restarts, capture_state_from=None)
-        self.group = PPOLearnerWorker.create_group(cfg).launch(
+        self.group = PPOLearnerWorker.create_group(cfg, update).launch(
             cluster if cluster is not None else px.Cluster(),
             px.NodePlacement(num_workers=1),
             name=name,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import math
 import os
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -234,17 +235,25 @@ def open_run(cfg: PPOConfig, resume: bool) -> tuple[PPOConfig, Path, dict[str, A
 
 
 def start_run(
-    cfg: PPOConfig, ckpt: dict[str, Any] | None, cluster: Any, times: WallBreakdown
+    cfg: PPOConfig,
+    ckpt: dict[str, Any] | None,
+    cluster: Any,
+    times: WallBreakdown,
+    start_learner_worker: Callable[[PPOConfig, Any, str], Any] | None = None,
 ) -> tuple[EnvRunnerGroup, Learner]:
     """The env runners and the learner, the runners holding the learner's weights (and
     the checkpoint's normaliser). Ray (when no ``cluster`` is given) and the runners
     start on this thread while a helper thread builds the learner and, with
-    ``num_learners=1``, another starts the learner's worker (``learner.remote``), which
-    then gets the learner's state; everything started is stopped again if anything fails.
+    ``num_learners=1``, another runs ``start_learner_worker(cfg, cluster, name)`` (a
+    ``RemoteLearner``), which becomes ``learner.remote`` and gets the learner's state;
+    everything started is stopped again if anything fails.
 
     Raises:
-        ValueError: the runners' spaces differ from the learner's.
+        ValueError: the runners' spaces differ from the learner's, or ``num_learners=1``
+            without ``start_learner_worker``.
     """
+    if cfg.num_learners and start_learner_worker is None:
+        raise ValueError("num_learners=1 needs start_learner_worker (the learner's worker)")
     learner_future: Future[Learner] = harness.in_background(
         "ppo-learner-init", _timed, times, "learner init", build_learner, cfg, ckpt
     )
@@ -259,11 +268,9 @@ def start_run(
                 slots = runners_and_standby * cfg.env_runner_config().num_cpus_per_env_runner
                 start_ray(math.ceil(slots) + cfg.num_learners + 1)  # the workers' and a spare
         if cfg.num_learners:
-            from phalanx.algorithms.ppo_learner import RemoteLearner
-
             remote_future = harness.in_background(
-                "ppo-learner-worker", _timed, times, "learner worker start", RemoteLearner,
-                cfg, cluster, f"ppo_learner_{cfg.name}_{os.getpid()}",
+                "ppo-learner-worker", _timed, times, "learner worker start",
+                start_learner_worker, cfg, cluster, f"ppo_learner_{cfg.name}_{os.getpid()}",
             )  # fmt: skip
         from phalanx.envs import EnvRunnerGroup
 
