@@ -53,12 +53,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 from _common import run_with_killer, titled_descendants
 
-ROLES = ("Host_DTensorPolicyWorker", "Host_HFGenerationWorker")
+ROLES = {"Host_DTensorPolicyWorker": "policy", "Host_HFGenerationWorker": "generation"}
 PPO_ROLES = {"Host_PPOLearnerWorker": "learner", "Host_EnvRunner": "env_runner"}
 PPO_COMMAND = ["train", "ppo", "--env", "CartPole-v1", "--env-runners", "2",
                "--stop-return", "450"]  # fmt: skip
@@ -82,33 +83,42 @@ def _first_step_done(metrics: Path) -> bool:
         return False
 
 
-def _killer(driver: psutil.Process, metrics: Path, every: tuple[float, float], seed: int,
-            stop: threading.Event, kills: list[tuple[float, str, int]], t0: float,
-            policy_wall: list[float]) -> None:  # fmt: skip
-    """SIGKILL a policy rank or a generation worker (in turn, a random one of the role)
-    every ``every`` seconds (uniform), from the end of the first step on; the wall time of
-    each policy kill goes into ``policy_wall``."""
+def _sigkill(pid: int) -> bool:
+    """SIGKILL ``pid``; False when it had already ended by itself."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _kill_in_turn(driver: psutil.Process, started: Callable[[], bool],
+                  roles: dict[str, str], every: tuple[float, float], seed: int,
+                  max_kills: int | None, stop: threading.Event,
+                  kills: list[tuple[float, str, int]], t0: float,
+                  wall: list[tuple[float, str]]) -> None:  # fmt: skip
+    """SIGKILL a random started worker of each role in turn (``roles``: process title ->
+    its label), whatever it is doing, every ``every`` seconds (uniform) once
+    ``started()``; at most ``max_kills`` kills. Each kill goes into ``kills`` (seconds
+    since ``t0``, label, pid) and ``wall`` (wall time, label)."""
     rng = random.Random(seed)
-    while not stop.is_set() and not _first_step_done(metrics):
-        stop.wait(0.2)
+    while not stop.is_set() and not started():
+        stop.wait(0.1)
     next_at = time.perf_counter() + rng.uniform(*every)
     turn = 0
-    while not stop.is_set():
+    titles = list(roles)
+    while not stop.is_set() and (max_kills is None or len(kills) < max_kills):
         if time.perf_counter() >= next_at:
-            role = ROLES[turn % len(ROLES)]
-            procs = _role_processes(driver, role)
+            title = titles[turn % len(titles)]
+            procs = _role_processes(driver, title)
             if procs:
                 victim = rng.choice(procs)
-                try:
-                    os.kill(victim.pid, signal.SIGKILL)
-                    if role == ROLES[0]:
-                        policy_wall.append(time.time())
-                    kills.append((time.perf_counter() - t0, role, victim.pid))
+                if _sigkill(victim.pid):
+                    wall.append((time.time(), roles[title]))
+                    kills.append((time.perf_counter() - t0, roles[title], victim.pid))
                     turn += 1
                     next_at = time.perf_counter() + rng.uniform(*every)
-                except ProcessLookupError:
-                    pass
-        stop.wait(0.2)
+        stop.wait(0.1)
 
 
 def _rank_pid(driver: psutil.Process, rank: int, known: dict[int, int]) -> int | None:
@@ -137,7 +147,7 @@ def _in_train(pid: int) -> bool:
 
 def _rank_killer(driver: psutil.Process, metrics: Path, args: argparse.Namespace,
                  stop: threading.Event, kills: list[tuple[float, str, int]], t0: float,
-                 wall: list[float]) -> None:  # fmt: skip
+                 wall: list[tuple[float, str]]) -> None:  # fmt: skip
     """SIGKILL policy rank ``args.rank`` while it is inside ``train``, every ``--every-min``
     to ``--every-max`` seconds from the end of the first step on; a rank not seen in
     ``train`` within ``--mid-step-deadline`` seconds is tried again at the next turn. At
@@ -156,13 +166,9 @@ def _rank_killer(driver: psutil.Process, metrics: Path, args: argparse.Namespace
         deadline = time.perf_counter() + args.mid_step_deadline
         while not stop.is_set() and time.perf_counter() < deadline and not _in_train(pid):
             time.sleep(0.001)  # polling a title, not waiting for an effect
-        if _in_train(pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-                wall.append(time.time())
-                kills.append((time.perf_counter() - t0, f"policy rank {args.rank} in train", pid))
-            except ProcessLookupError:
-                pass
+        if _in_train(pid) and _sigkill(pid):
+            wall.append((time.time(), "policy"))
+            kills.append((time.perf_counter() - t0, f"policy rank {args.rank} in train", pid))
         next_at = time.perf_counter() + rng.uniform(args.every_min, args.every_max)
 
 
@@ -204,7 +210,7 @@ def run_once(chaos: bool, args: argparse.Namespace) -> dict:
     run_dir = Path(runs_dir) / name
     t0 = time.perf_counter()
     kills: list[tuple[float, str, int]] = []
-    kills_wall: list[float] = []
+    kills_wall: list[tuple[float, str]] = []
     killer = None
     if chaos and args.victim == "policy-rank":
 
@@ -214,10 +220,11 @@ def run_once(chaos: bool, args: argparse.Namespace) -> dict:
     elif chaos:
 
         def killer(driver: psutil.Process, stop: threading.Event) -> None:
-            every = (args.every_min, args.every_max)
-            _killer(
-                driver, run_dir / "metrics.jsonl", every, args.seed, stop, kills, t0, kills_wall
-            )
+            _kill_in_turn(
+                driver, lambda: _first_step_done(run_dir / "metrics.jsonl"), ROLES,
+                (args.every_min, args.every_max), args.seed, args.max_kills, stop, kills, t0,
+                kills_wall,
+            )  # fmt: skip
 
     returncode, out, err = run_with_killer(argv, args.timeout, killer)
     rows = []
@@ -234,7 +241,7 @@ def run_once(chaos: bool, args: argparse.Namespace) -> dict:
         "wall_s": time.perf_counter() - t0,
         "kills": kills,
         "recoveries": recoveries,
-        "per_kill": per_kill(kills_wall, recoveries),
+        "per_kill": per_kill([at for at, g in kills_wall if g == "policy"], recoveries),
         "steps_in_order": step_ids == list(range(1, len(step_ids) + 1)),
         "generation_restarts": max((r.get("generation_restarts", 0) for r in steps), default=0),
         "generation_recoveries": [r for r in every_recovery if r["group"] == "generation"],
@@ -252,35 +259,6 @@ def _first_iteration_done(metrics: Path) -> bool:
         return any('"return_mean"' in line for line in metrics.read_text().splitlines())
     except OSError:
         return False
-
-
-def _ppo_killer(driver: psutil.Process, metrics: Path, args: argparse.Namespace,
-                stop: threading.Event, kills: list[tuple[float, str, int]], t0: float,
-                wall: list[tuple[float, str]]) -> None:  # fmt: skip
-    """SIGKILL the learner and an env runner (a random one) in turn, whatever they are
-    doing, every ``--every-min`` to ``--every-max`` seconds from the end of the first
-    iteration on; at most ``--max-kills`` kills."""
-    rng = random.Random(args.seed)
-    while not stop.is_set() and not _first_iteration_done(metrics):
-        stop.wait(0.1)
-    next_at = time.perf_counter() + rng.uniform(args.every_min, args.every_max)
-    turn = 0
-    roles = list(PPO_ROLES)
-    while not stop.is_set() and (args.max_kills is None or len(kills) < args.max_kills):
-        if time.perf_counter() >= next_at:
-            title = roles[turn % len(roles)]
-            procs = _role_processes(driver, title)
-            if procs:
-                victim = rng.choice(procs)
-                try:
-                    os.kill(victim.pid, signal.SIGKILL)
-                    wall.append((time.time(), PPO_ROLES[title]))
-                    kills.append((time.perf_counter() - t0, PPO_ROLES[title], victim.pid))
-                    turn += 1
-                    next_at = time.perf_counter() + rng.uniform(args.every_min, args.every_max)
-                except ProcessLookupError:
-                    pass
-        stop.wait(0.1)
 
 
 def per_kill_ppo(kills_wall: list[tuple[float, str]], recoveries: list[dict]) -> list[dict]:
@@ -331,7 +309,11 @@ def run_once_ppo(chaos: bool, args: argparse.Namespace) -> dict:
     if chaos:
 
         def killer(driver: psutil.Process, stop: threading.Event) -> None:
-            _ppo_killer(driver, run_dir / "metrics.jsonl", args, stop, kills, t0, kills_wall)
+            _kill_in_turn(
+                driver, lambda: _first_iteration_done(run_dir / "metrics.jsonl"), PPO_ROLES,
+                (args.every_min, args.every_max), args.seed, args.max_kills, stop, kills, t0,
+                kills_wall,
+            )  # fmt: skip
 
     returncode, out, err = run_with_killer(argv, args.timeout, killer)
     rows = []
@@ -409,7 +391,7 @@ def main() -> None:
                    "policy-rank: policy rank --rank, inside train")  # fmt: skip
     p.add_argument("--rank", type=int, default=1, help="the policy rank --victim policy-rank kills")
     p.add_argument("--max-kills", type=int, default=None,
-                   help="with --victim policy-rank or --algo ppo: kills at most (default: no bound)")  # fmt: skip
+                   help="kills at most (default: no bound)")  # fmt: skip
     p.add_argument("--mid-step-deadline", type=float, default=30.0,
                    help="seconds to wait for the rank to be inside train before trying later")  # fmt: skip
     args = p.parse_args()
