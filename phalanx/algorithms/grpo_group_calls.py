@@ -49,13 +49,18 @@ def refit_past_generator_deaths(refit: Callable[[], Any], generation: Any, timeo
 
 def generate(gen_group, data, timeout: float = 300.0, greedy: bool = False, retry: bool = True):
     """Split a prompt batch over the generation workers and put the outputs back in order
-    (once more after a worker died under it when ``retry``)."""
+    (once more after a worker died under it when ``retry``). After a sampled batch the
+    group keeps each rank's sampler state, which a restarted rank is given: the batch a
+    death interrupted, or the next one, is sampled with the random numbers the dead rank
+    would have used (where the backend's sampler can be restored)."""
     from phalanx.data import BatchedDataDict
 
     shards = data.shard_by_batch_size(gen_group.world_size, allow_uneven_shards=True)
     calls = [(r, (s,), {"greedy": greedy}) for r, s in enumerate(shards)]
     if retry:
         outs = _retry_once_after_death(lambda: gen_group.call_ranks("generate", calls), timeout)
+        if not greedy:
+            _retry_once_after_death(lambda: gen_group.call("get_state"), timeout)
     else:
         outs = gen_group.call_ranks("generate", calls).wait(timeout=timeout)
     return BatchedDataDict.from_batches(outs, pad_value_dict={"output_ids": 0})

@@ -256,6 +256,38 @@ class GenerationWorker(Worker, GenerationInterface):
                 f"the batch asks for version {expected}: the refit did not reach it"
             )
 
+    def get_state(self) -> dict[str, Any]:
+        """What a restarted copy of this rank needs to sample as this one would have.
+
+        A group under a restart policy keeps the result of each ``get_state`` call and
+        gives it to the new process's ``set_state``, so a batch that a death interrupted
+        is sampled again with the same random numbers. The weights are not part of it: a
+        restarted rank is refitted. This base keeps nothing: a backend whose sampler
+        cannot be restored (vLLM's engine) samples a regenerated batch anew.
+
+        Returns:
+            The sampler's state (empty here).
+        """
+        return {}
+
+    def set_state(self, state: dict[str, Any]) -> bool:
+        """Take a state ``get_state`` returned (on a restarted rank, before it serves).
+
+        Args:
+            state: the dict ``get_state`` returned.
+
+        Returns:
+            True.
+
+        Raises:
+            ValueError: ``state`` holds keys this worker does not keep.
+        """
+        if state:
+            raise ValueError(
+                f"{type(self).__name__}.set_state: keeps no sampler state, got {sorted(state)}"
+            )
+        return True
+
     def get_state_dict(self) -> dict[str, torch.Tensor]:
         """The received weights on CPU (tests compare them with the policy's).
 
@@ -319,6 +351,32 @@ class HFGenerationWorker(GenerationWorker):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}[rank={self.rank}]"
+
+    def get_state(self) -> dict[str, Any]:
+        """The sampler's random state (see ``GenerationWorker.get_state``).
+
+        Returns:
+            ``{"sampling_rng": <the sampling generator's state>}``.
+        """
+        return {"sampling_rng": self._gen.get_state()}
+
+    def set_state(self, state: dict[str, Any]) -> bool:
+        """Sample from now on as the worker that returned ``state`` would have.
+
+        Args:
+            state: the dict ``get_state`` returned.
+
+        Returns:
+            True.
+
+        Raises:
+            ValueError: ``state`` is not such a dict.
+        """
+        if not isinstance(state, dict) or set(state) != {"sampling_rng"}:
+            keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"state: expected {{'sampling_rng': ...}}, got {keys}")
+        self._gen.set_state(state["sampling_rng"])
+        return True
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()

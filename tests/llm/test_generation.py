@@ -176,6 +176,50 @@ def test_dead_generator_is_restarted_and_refitted_before_generating(
         gen.shutdown()
 
 
+@pytest.mark.timeout(180)
+def test_a_restarted_generator_samples_with_the_random_numbers_of_the_dead_one(
+    cluster, model_path, tokenizer
+):
+    """GRPO's generate keeps each rank's sampler state after a sampled batch; a rank killed
+    and restarted samples the next batch exactly as an undisturbed twin does."""
+    import ray
+
+    from phalanx.algorithms.grpo_group_calls import generate
+
+    twins = [
+        HFGenerationWorker.create_group(_gen_cfg(model_path), tokenizer).launch(
+            cluster,
+            px.NodePlacement(num_workers=1),
+            name=f"gen_rng_{name}",
+            restart_policy=px.RestartPolicy(),
+        )  # fmt: skip
+        for name in ("killed", "undisturbed")
+    ]
+    try:
+        first, second = _prompts(tokenizer, n=6, seed=31), _prompts(tokenizer, n=6, seed=32)
+        outs = [generate(g, first, timeout=60) for g in twins]
+        assert torch.equal(outs[0]["output_ids"], outs[1]["output_ids"])
+        killed, undisturbed = twins
+        ray.kill(killed.actors[0], no_restart=True)
+        deadline = time.monotonic() + 30
+        while killed.health()[0] == px.WorkerHealth.HEALTHY and time.monotonic() < deadline:
+            time.sleep(0.01)  # the group's monitor sees the death within milliseconds
+        assert killed.health()[0] != px.WorkerHealth.HEALTHY
+        again = generate(killed, second, timeout=120)
+        assert killed.num_remote_worker_restarts() == 1
+        expected = generate(undisturbed, second, timeout=60)
+        assert torch.equal(again["output_ids"], expected["output_ids"])
+        assert torch.equal(again["generation_lengths"], expected["generation_lengths"])
+        # Each batch draws new random numbers: the equality above needs the kept state.
+        fresh = generate(undisturbed, first, timeout=60)
+        assert not torch.equal(fresh["output_ids"], outs[0]["output_ids"])
+        with pytest.raises(px.WorkerError, match=r"ValueError: state: expected .*\['rng'\]"):
+            undisturbed.execute_on(0).set_state({"rng": 1}).wait(30)
+    finally:
+        for g in twins:
+            g.shutdown()
+
+
 def _exit_after(worker, delay_s):
     time.sleep(delay_s)
     os._exit(1)
