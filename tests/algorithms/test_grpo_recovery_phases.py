@@ -2,7 +2,8 @@
 or while no policy call runs (during generation), is recovered as one that dies in
 training: the policy group is relaunched from the last state kept, and only the
 interrupted part (or the call that meets the death) is done again; nothing is trained
-twice: each checkpoint holds the weights its step trained.
+twice: each checkpoint holds the weights its step trained. A generation worker that dies
+in the evaluation is restarted by its group and the evaluation done.
 
 A rank dies by its own hand when the named call reaches it (installed by the step hook
 ``train(on_training=...)``), or by a SIGKILL as a generation call starts; never after a
@@ -149,3 +150,37 @@ def test_policy_rank_killed_during_generation_is_recovered_by_the_next_policy_ca
     assert [h["step"] for h in hist] == [1, 2]
     assert [h["policy_restarts"] for h in hist] == [0, 1]
     _assert_checkpoints_hold(run_dir, trained)
+
+
+@pytest.mark.slow(reason="a two-step GRPO run with a generation worker restart")
+@pytest.mark.timeout(600)
+def test_generation_worker_killed_in_the_evaluation_is_restarted_and_the_evaluation_done(
+    cluster, tmp_path, monkeypatch
+):
+    """The generation worker is SIGKILLed as step 1's held-out evaluation calls it: its
+    group restarts and refits it (a call that met the death first is made again), the
+    evaluation is done once, and the run goes on."""
+    from phalanx.algorithms import grpo_group_calls
+
+    run_dir = tmp_path / "run"
+    killed: list[int] = []
+    real_generate = grpo_group_calls.generate
+
+    def generate(group: Any, prompts: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("greedy") and not killed:  # the evaluation's call
+            killed.append(group.worker_metadata[0]["pid"])
+            os.kill(killed[0], signal.SIGKILL)
+        return real_generate(group, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(grpo_group_calls, "generate", generate)
+    cfg = _cfg(run_dir, num_policy_workers=1, eval_every=1, eval_size=10, eval_at_start=False)
+    hist = train(cfg, cluster)["history"]
+
+    assert len(killed) == 1
+    rows = read_metrics(run_dir)
+    assert [(r["step"], r["recovery/group"], r["recovery/rank"]) for r in rows
+            if "recovery/seconds" in r] == [(1, "generation", 0)]  # fmt: skip
+    assert [h["step"] for h in hist] == [1, 2]
+    assert [h["generation_restarts"] for h in hist] == [1, 1]
+    evals = [(r["step"], 0.0 <= r["eval/accuracy"] <= 1.0) for r in rows if "eval/accuracy" in r]
+    assert evals == [(1, True), (2, True)]
