@@ -1,7 +1,8 @@
 """Asynchronous GRPO: the versioned trajectory buffer, the importance ratio of
 on- and off-policy rows, the config keys, and tiny end-to-end runs (versions per step,
-a generation worker killed mid-run, a policy rank killed and relaunched in place,
-nothing left behind)."""
+a generation worker killed mid-run, a policy rank killed and relaunched in place, each
+batch's version tag equal to its weights' version across a death in the refit, nothing
+left behind)."""
 
 from __future__ import annotations
 
