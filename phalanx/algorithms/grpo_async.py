@@ -20,6 +20,13 @@ batch, ``time/generation_wait`` how long the collector idled for the trainer.
 ``in_flight_weight_updates`` (switching weights inside a batch) is refused: the Hugging
 Face backend decodes a batch in one call and takes new weights only between calls.
 
+A batch's version is the one its generators hold. A refit that raises leaves the
+generators' weights unknown (a death in the middle of a transfer), so no batch starts
+until a refit succeeds. After a policy rank died, :meth:`AsyncRollouts.restore` refits
+the generators with the relaunched policy's restored state and sets the version to that
+state's under one pause; when that is the version the failed refit was making, the
+refit done again finds it held and sends nothing.
+
 Failures. A generation batch that raises (a worker exception, or its worker died) is
 dropped, and a generation worker restart counts as a failure too (one per death); the
 run aborts with :class:`GenerationFailedError` once the failures exceed
@@ -53,8 +60,8 @@ class AsyncRollouts:
     """Rollouts produced ahead of the trainer by a collector thread (see the module doc).
 
     ``make_batch()`` runs one rollout on the generation group; ``refit()`` brings the
-    generators to the policy's next version; ``on_generating(True/False)`` is told when a
-    batch starts and ends (the cores follow the phase: :mod:`phase_threads`).
+    generators to the policy's current weights; ``on_generating(True/False)`` is told when
+    a batch starts and ends (the cores follow the phase: :mod:`phase_threads`).
     """
 
     def __init__(
@@ -75,6 +82,8 @@ class AsyncRollouts:
         self.max_failures = max_generation_failures
         self.timeout_s = timeout_s
         self.version = start_version
+        self._refit_target = start_version  # the version the next refit makes
+        self._weights_known = True  # False from a failed refit to the next good one
         self.buffer = TrajectoryBuffer(max_trajectory_age_steps + 1)
         self.failures = 0
         self._next_target = start_version + 1
@@ -99,6 +108,7 @@ class AsyncRollouts:
                             self._stopped
                             or (
                                 not self._pauses
+                                and self._weights_known
                                 and self.version >= self._next_target - 1 - self.max_age
                             )
                         )
@@ -155,6 +165,8 @@ class AsyncRollouts:
         """The trajectories for GRPO step ``step`` (policy version ``step - 1``) and the
         step's async metrics."""
         current = step - 1
+        with self._cv:
+            self._refit_target = step  # step s's refit makes version s
         t = time.perf_counter()
         batch, version = self.buffer.take(current, self.max_age, timeout=self.timeout_s)
         wait = time.perf_counter() - t
@@ -187,28 +199,49 @@ class AsyncRollouts:
                 self._cv.notify_all()
 
     def refit(self) -> dict[str, float]:
-        """Refit the generators between two batches; the version moves on."""
+        """Refit the generators between two batches to the version of the step last taken
+        (step ``s``'s refit makes version ``s``); nothing is sent when they hold it already
+        (:meth:`restore` brought them there after a policy rank died in this refit)."""
+        with self._cv:
+            target = self._refit_target
+            if self.version == target and self._weights_known:
+                return {"time/refit": 0.0, "time/refit_wait": 0.0}
         with self.paused() as waited:
             t = time.perf_counter()
-            try:
-                self._refit()
-            except Exception:
-                # A generator that died since its last batch fails the refit: the call
-                # below restarts it (the sender's restart hook gives it this version),
-                # and that counts as a generation failure; anything else is re-raised.
-                before = self._restarts_seen
-                self.generation.call("is_alive").wait(timeout=self.timeout_s)
-                if self.generation.num_remote_worker_restarts() == before:
-                    raise
-                try:
-                    with self._cv:
-                        self._count_failures(None)
-                except GenerationFailedError as e:
-                    self.buffer.fail(e)
-                    raise
-            with self._cv:
-                self.version += 1
+            self._refit_generators(target)
         return {"time/refit": time.perf_counter() - t, "time/refit_wait": waited}
+
+    def restore(self, version: int) -> None:
+        """Refit the generators with a relaunched policy's state, restored from version
+        ``version``, and make that the collector's version, under one pause: no batch
+        starts between the two, so none is tagged with another version than the one its
+        generators hold."""
+        with self.paused():
+            self._refit_generators(version)
+
+    def _refit_generators(self, version: int) -> None:
+        """(Inside a pause) refit, then the generators hold ``version``. A generator that
+        died since its last batch fails the refit: a call restarts it (the sender's restart
+        hook gives it the refit's weights) and counts a generation failure; any other
+        error is raised, and no batch starts until a later refit succeeds."""
+        with self._cv:
+            self._weights_known = False
+        try:
+            self._refit()
+        except Exception:
+            before = self._restarts_seen
+            self.generation.call("is_alive").wait(timeout=self.timeout_s)
+            if self.generation.num_remote_worker_restarts() == before:
+                raise
+            try:
+                with self._cv:
+                    self._count_failures(None)
+            except GenerationFailedError as e:
+                self.buffer.fail(e)
+                raise
+        with self._cv:
+            self.version = version
+            self._weights_known = True
 
     def close(self) -> None:
         """Stop the collector: it starts no batch; one in flight ends with its call (or

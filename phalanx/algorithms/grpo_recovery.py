@@ -121,8 +121,7 @@ class PolicyRecovery:
         run = self.run
         parts = run.relaunch_policy(self._state_root(), self.good)
         t_refit = time.perf_counter()
-        with run.rollouts.paused():
-            run.refit()
+        run.refit_restored(self.good_step)
         seconds = time.perf_counter() - t
         reason = f"{error.group}[rank {rank}] died in {error.method}()"
         self.metrics.log(step, {

@@ -426,6 +426,15 @@ class GRPORun:
             self.refitter.refit, self.generation, self.cfg.generation_timeout_s
         )
 
+    def refit_restored(self, version: int) -> None:
+        """Refit the generators with a relaunched policy's state, which is the policy's
+        version ``version`` (the step it was kept after); the collector of asynchronous
+        GRPO takes that version under the same pause."""
+        if isinstance(self.rollouts, AsyncRollouts):
+            self.rollouts.restore(version)
+        else:
+            self.refit()
+
     def evaluate(self, step: int) -> dict[str, Any]:
         """Greedy accuracy on the held-out split (and the tiny task's answer probability)."""
         cfg, task = self.cfg, self.task

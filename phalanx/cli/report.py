@@ -5,7 +5,8 @@ Reads what a run leaves in its directory: ``metrics.jsonl`` (``phalanx.observe.m
 and ``trace.json`` when the run was traced. Writes:
 
 - ``learning_curve.png``: ``return_mean`` (or ``reward_mean``) against ``timesteps``
-  (or the step), with the ``return_std`` band when logged;
+  (or the step), with the ``return_std`` band when logged and a dashed line at each
+  in-place recovery (GRPO: its step; PPO: the timesteps of its iteration);
 - ``phase_times.png``: seconds per phase per step, stacked (the ``time/<phase>`` keys;
   ``time/step``, the whole step, is drawn as a line over them);
 - ``utilisation.png``: from the trace, one row per worker (and the driver) showing when it

@@ -86,14 +86,60 @@ def plot_learning_curve(rows: list[dict[str, Any]], path: str | Path, title: str
     return True
 
 
+def recovery_marks(rows: list[dict[str, Any]], x_axis: str) -> list[float]:
+    """Where each in-place recovery (a row with ``recovery/step``) goes on a curve whose x
+    axis is ``x_axis``, so that a mark sits on the curve's point of the step or iteration
+    it happened in.
+
+    On ``"step"`` a recovery goes at its ``recovery/step`` (GRPO). On ``"timesteps"`` it
+    goes at the ``timesteps`` of the iteration row whose ``iteration`` is its
+    ``recovery/iteration`` (PPO's learner and env runners), or at its own row's step, which
+    PPO writes in timesteps, when that iteration wrote no row (the run stopped first); a
+    recovery without ``recovery/iteration`` has no place there and is left out.
+
+    Args:
+        rows: the rows of a ``metrics.jsonl`` (``read_metrics``).
+        x_axis: ``"step"`` or ``"timesteps"``.
+
+    Returns:
+        The x of each recovery, in the rows' order.
+
+    Raises:
+        ValueError: ``x_axis`` is neither ``"step"`` nor ``"timesteps"``.
+    """
+    if x_axis not in ("step", "timesteps"):
+        raise ValueError(f"x_axis must be 'step' or 'timesteps', got {x_axis!r}")
+    recoveries = [r for r in rows if "recovery/step" in r]
+    if x_axis == "step":
+        return [r["recovery/step"] for r in recoveries]
+    at_iteration = {
+        r["iteration"]: r["timesteps"]
+        for r in rows
+        if "iteration" in r and "timesteps" in r and "recovery/step" not in r
+    }
+    return [
+        at_iteration.get(r["recovery/iteration"], r["step"])
+        for r in recoveries
+        if "recovery/iteration" in r
+    ]
+
+
 def _mark_recoveries(ax: Any, rows: list[dict[str, Any]]) -> list[Any]:
-    """A dashed line at each step a run recovered in place (``recovery/step`` rows), on
-    a step axis; the legend handle, or none."""
-    steps = [r["recovery/step"] for r in rows if "recovery/step" in r]
-    if not steps or ax.get_xlabel() != "step":
+    """A dashed line at each in-place recovery (:func:`recovery_marks`) on the curve's axis
+    (its x label: ``step`` or ``timesteps``); the legend handle, or none."""
+    x_axis = ax.get_xlabel()
+    if x_axis not in ("step", "timesteps"):
         return []
-    marks = [ax.axvline(s, color="tab:gray", ls="--", lw=1) for s in steps]
-    marks[0].set_label(f"recovery ({len(steps)}: a group relaunched, its step redone)")
+    xs = recovery_marks(rows, x_axis)
+    if not xs:
+        return []
+    marks = [ax.axvline(x, color="tab:gray", ls="--", lw=1) for x in xs]
+    what = (
+        "a group relaunched, its step redone"
+        if x_axis == "step"
+        else "the learner or an env runner restarted"
+    )
+    marks[0].set_label(f"recovery ({len(xs)}: {what})")
     return marks[:1]
 
 

@@ -1,15 +1,18 @@
 """Asynchronous GRPO: the versioned trajectory buffer, the importance ratio of
 on- and off-policy rows, the config keys, and tiny end-to-end runs (versions per step,
-a generation worker killed mid-run, a policy rank killed and relaunched in place,
-nothing left behind)."""
+a generation worker killed mid-run, a policy rank killed and relaunched in place, each
+batch's version tag equal to its weights' version across a death in the refit, nothing
+left behind)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import threading
+from typing import Any
 
 import pytest
 import ray
@@ -360,6 +363,52 @@ def test_an_evaluation_held_over_the_refit_keeps_the_collector_waiting(cluster):
 
 
 @pytest.mark.timeout(120)
+def test_after_a_failed_refit_no_batch_starts_until_restore_sets_the_version(cluster):
+    """A refit that raised leaves the generators' weights unknown: the collector starts no
+    batch, also one its version allows, until ``restore`` refits them; ``restore`` sets the
+    version under the same pause, so the next batch carries it and the step's refit, done
+    again, sends nothing."""
+    group = _Generator.create_group().launch(cluster, name="async_restore_gen")
+    events: list[str] = []
+    started = threading.Event()
+    failures: list[str] = []  # the refit raises while one is listed
+
+    def make_batch() -> BatchedDataDict:
+        events.append("batch")
+        started.set()
+        return _rows(2, float(len(events)))
+
+    def refit() -> None:
+        events.append("refit")
+        if failures:
+            raise RuntimeError(failures.pop())
+
+    rollouts = AsyncRollouts(make_batch, refit, group)
+    try:
+        assert until(lambda: events.count("batch") == 2, 30)  # batches 1, 2; 3 needs v1
+        rollouts.take(1)
+        with rollouts.paused():  # batch 3 may not start at version 1 yet
+            rollouts.refit()
+            assert rollouts.version == 1
+            rollouts.take(2)
+            failures.append("a policy rank died in the refit")
+            started.clear()
+            with pytest.raises(RuntimeError, match="died in the refit"):
+                rollouts.refit()
+        assert not started.wait(1.0), events  # version 1 allows batch 3; the weights do not
+        rollouts.restore(2)
+        assert started.wait(30)
+        assert rollouts.refit() == {"time/refit": 0.0, "time/refit_wait": 0.0}
+        _, metrics = rollouts.take(3)
+        assert metrics["async/trajectory_version"] == 2.0
+        assert events[:6] == ["batch", "batch", "refit", "refit", "refit", "batch"]
+    finally:
+        rollouts.close()
+        assert rollouts.join(30)
+        group.shutdown()
+
+
+@pytest.mark.timeout(120)
 def test_a_death_restarted_before_its_batch_error_is_counted_once(cluster):
     """A generation worker's death is one failure, also when the group restarted the worker
     before the collector saw the batch's ``WorkerDiedError`` (the restart is that death's)."""
@@ -389,3 +438,136 @@ def test_a_death_restarted_before_its_batch_error_is_counted_once(cluster):
         rollouts.close()
         assert rollouts.join(30)
         group.shutdown()
+
+
+def _signal_in_next_refit(worker: Any, path: str) -> None:
+    """(On a policy rank) when the next refit asks this rank for its weights, write this
+    process's pid to ``path`` and wait there to be killed."""
+
+    def inside_refit(*args: Any, **kwargs: Any) -> None:
+        with open(path + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
+        threading.Event().wait(300)
+        raise RuntimeError("the test did not kill this rank within 300 s")
+
+    worker.write_weights_to_shm = inside_refit
+
+
+def _version_of(weights: dict[str, torch.Tensor], versions: dict[int, dict]) -> list[int]:
+    """The policy versions whose every tensor equals the one of the same name in ``weights``."""
+    return [
+        v
+        for v, sd in versions.items()
+        if all(torch.equal(weights[name], tensor) for name, tensor in sd.items())
+    ]
+
+
+@pytest.mark.slow(reason="an asynchronous GRPO run with a policy relaunch in the refit")
+@pytest.mark.timeout(600)
+def test_a_batch_after_a_death_in_the_refit_is_tagged_with_the_weights_it_was_sampled_with(
+    cluster, tmp_path, monkeypatch
+):
+    """The policy rank is SIGKILLed inside step 2's refit. The collector is held back (by a
+    pause of the test's) until the recovery's own refit, so that batch 3 starts the moment
+    that refit ends and before the step goes on: its version tag is the version of the
+    weights its generator held (the policy's weights of each version are compared with
+    the generator's, read at each batch's start)."""
+    from transformers import AutoModelForCausalLM
+
+    from phalanx.algorithms import grpo_run
+    from phalanx.llm.refit import Refitter
+    from phalanx.observe.metrics import MetricsLogger
+
+    run_dir = tmp_path / "run"
+    signal_file = tmp_path / "inside_refit"
+    made: list[AsyncRollouts] = []
+    sampled_with: list[dict[str, torch.Tensor]] = []  # the generator's weights, per batch
+    versions: dict[int, dict[str, torch.Tensor]] = {}  # the policy's weights, per version
+    third_batch = threading.Event()
+    killed: list[int] = []
+    held = contextlib.ExitStack()  # the test's pause of the collector
+
+    class Rollouts(AsyncRollouts):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    real_generate = grpo_run.generate
+
+    def generate(group: Any, prompts: Any, *args: Any, **kwargs: Any) -> Any:
+        sampled_with.append(group.execute_on(0).get_state_dict().wait(timeout=120)[0])
+        if len(sampled_with) == 3:
+            third_batch.set()
+        return real_generate(group, prompts, *args, **kwargs)
+
+    real_refit = Refitter.refit
+
+    def refit(self: Refitter) -> Any:
+        if killed:  # the recovery's refit, inside its pause: the test's pause may go
+            held.close()
+        return real_refit(self)
+
+    real_log = MetricsLogger.log
+
+    def log(self: MetricsLogger, step: int, metrics: Any) -> dict[str, Any]:
+        if metrics.get("recovery/group") == "policy":  # written after the recovery's refit
+            assert third_batch.wait(120), "no batch started after the recovery's refit"
+        return real_log(self, step, metrics)
+
+    monkeypatch.setattr(grpo_run, "AsyncRollouts", Rollouts)
+    monkeypatch.setattr(grpo_run, "generate", generate)
+    monkeypatch.setattr(Refitter, "refit", refit)
+    monkeypatch.setattr(MetricsLogger, "log", log)
+
+    def on_training(step: int, policy: Any) -> None:
+        versions[step] = policy.state_dict()
+        if step == 1:
+            base = AutoModelForCausalLM.from_pretrained(run_dir / "base_model", dtype=torch.float32)
+            versions[0] = {k: v.detach().clone() for k, v in base.state_dict().items()}
+            (rollouts,) = made
+            assert until(lambda: len(rollouts.buffer) >= 1, 120)  # batch 2 is made
+            held.enter_context(rollouts.paused())  # batch 3 waits (it may start at version 1)
+        if step == 2:
+            calls = [(0, (str(signal_file),), {})]
+            policy.worker_group.apply(_signal_in_next_refit, calls).wait(timeout=60)
+
+    done = threading.Event()
+
+    def kill_inside_the_refit() -> None:
+        if until(lambda: done.is_set() or signal_file.exists(), 400, interval=0.01):
+            if done.is_set():
+                return
+            pid = int(signal_file.read_text())
+            killed.append(pid)
+            os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_inside_the_refit, daemon=True)
+    killer.start()
+    # Weight decay changes the weights at every step, also at one whose rewards are all
+    # equal (no advantage, no policy gradient): each version's weights are its own.
+    cfg = _tiny_async(str(run_dir), steps=4, num_policy_workers=1, weight_decay=0.1)
+    try:
+        hist = train(cfg, cluster, on_training=on_training)["history"]
+    finally:
+        held.close()
+        done.set()
+    killer.join(5)
+
+    assert len(killed) == 1
+    recoveries = [r for r in read_metrics(str(run_dir)) if "recovery/seconds" in r]
+    assert [(r["step"], r["recovery/group"], r["recovery/repeated"]) for r in recoveries] == [
+        (2, "policy", "refit")
+    ]
+    assert [h["step"] for h in hist] == [1, 2, 3, 4]
+    for h in hist:
+        assert h["async/dropped_stale"] == 0 and h["async/generation_failures"] == 0
+    assert sorted(versions) == [0, 1, 2, 3, 4]
+    assert len(sampled_with) >= 4
+    for weights in versions.values():  # the policy's names are the generator's
+        assert set(weights) <= set(sampled_with[0])
+    assert [_version_of(versions[v], versions) for v in range(5)] == [[v] for v in range(5)]
+    held_by_batch = [_version_of(weights, versions) for weights in sampled_with[:4]]
+    tags = [[int(h["async/trajectory_version"])] for h in hist]
+    assert held_by_batch == tags
+    assert tags[2] == [2]  # batch 3, made right after the recovery: the restored version

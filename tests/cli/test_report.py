@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
+import io
 import json
+import shutil
 import time
+from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 import phalanx as px
 from phalanx.cli import report
 from phalanx.cli.main import main
-from phalanx.observe import trace
+from phalanx.observe import plots, trace
 from phalanx.observe.metrics import MetricsLogger, read_metrics
+
+# The metrics.jsonl of a PPO run of ``benchmarks/chaos_training.py --algo ppo`` (CartPole,
+# --num-learners 1) in which the learner was killed twice and an env runner once.
+PPO_CHAOS_METRICS = Path(__file__).parent / "data" / "ppo_chaos_metrics.jsonl"
 
 
 class Learner(px.Worker):
@@ -122,3 +130,45 @@ def test_metrics_logger_rows_and_bad_input(tmp_path):
     assert len(lines) == 1 and json.loads(lines[0])["step"] == 3
     with pytest.raises(TypeError, match="run_dir"):
         MetricsLogger(None)
+
+
+@pytest.mark.timeout(60)
+def test_report_marks_each_ppo_recovery_at_the_timesteps_of_its_iteration(tmp_path, monkeypatch):
+    run_dir = tmp_path / "ppo"
+    run_dir.mkdir()
+    shutil.copy(PPO_CHAOS_METRICS, run_dir / "metrics.jsonl")
+    rows = read_metrics(run_dir)
+    recoveries = [r for r in rows if "recovery/step" in r]
+    assert [(r["recovery/group"], r["recovery/iteration"]) for r in recoveries] == [
+        ("learner", 24),
+        ("env_runner", 46),
+        ("learner", 55),
+    ]
+    timesteps = {r["iteration"]: r["timesteps"] for r in rows if "iteration" in r}
+    assert [timesteps[i] for i in (24, 46, 55)] == [12288, 17920, 22528]
+    assert plots.recovery_marks(rows, "timesteps") == [12288, 17920, 22528]
+    # An iteration that wrote no row (the run stopped first): the recovery's own row's step.
+    without_55 = [r for r in rows if r.get("iteration") != 55]
+    assert plots.recovery_marks(without_55, "timesteps") == [12288, 17920, 22528]
+    with pytest.raises(ValueError, match="x_axis must be 'step' or 'timesteps', got 'wall'"):
+        plots.recovery_marks(rows, "wall")
+
+    figures = []  # the figures the report draws, kept to read their artists
+    make_figure = plots._figure
+    monkeypatch.setattr(
+        plots, "_figure", lambda w, h: figures.append(make_figure(w, h)) or figures[-1]
+    )
+    written = report.write_report(run_dir, console=Console(file=io.StringIO()))
+    assert written["learning_curve"] == str(run_dir / "learning_curve.png")
+    (ax,) = figures[0].axes  # the learning curve: return_mean_recent against timesteps
+    assert ax.get_xlabel() == "timesteps"
+    marks = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+    assert [list(line.get_xdata()) for line in marks] == [
+        [12288, 12288],
+        [17920, 17920],
+        [22528, 22528],
+    ]
+    assert marks[0].get_label() == "recovery (3: the learner or an env runner restarted)"
+    assert report.summarize(run_dir)["recoveries"] == (
+        "step 12288 (learner, 3.6 s), step 17920 (env_runner, 2.5 s), step 22528 (learner, 3.4 s)"
+    )
