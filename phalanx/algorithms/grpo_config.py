@@ -25,7 +25,7 @@ class GRPOConfig:
     new tokens, lr 2e-5, no KL penalty (no reference pass), dynamic batching, a 100-problem
     held-out greedy evaluation every 5 steps. Larger batches with longer answers and a KL
     penalty finish too few steps within the benchmark's 20 minutes, and lr 2e-5 learns
-    faster than 1e-5 (``docs/benchmarks.md`` has the result).
+    faster than 1e-5 (``docs/grpo.md`` has the result).
     """
 
     # --- model, task, reward

@@ -1,10 +1,10 @@
 """PPO on gymnasium environments with phalanx env runners (CleanRL style).
 
 Read top to bottom: advantage estimation (``gae``), the loss and update (``ppo_update``),
-the training loop (``train``: one labelled phase per part of an iteration) and the
-command line (``cli``). Start-up and checkpoints are in ``ppo_run.py``; the
-hyperparameters (``PPOConfig``) and the values tuned per env (``TUNED``) in
-``ppo_config.py``.
+the training loop (``train``: one labelled phase per part of an iteration), what the loop
+records (its metrics row and summary) and the command line (``cli``). Start-up,
+checkpoints and the end of a run are in ``ppo_run.py``; the hyperparameters
+(``PPOConfig``) and the values tuned per env (``TUNED``) in ``ppo_config.py``.
 
 Sampling runs on an :class:`~phalanx.envs.EnvRunnerGroup`: ``num_env_runners`` remote
 runners (or the local runner when 0), each stepping ``num_envs_per_env_runner`` envs for
@@ -30,7 +30,7 @@ import json
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,10 +44,13 @@ from phalanx.algorithms.ppo_run import (
     build_learner,
     build_policy,
     load_checkpoint,
+    open_metrics,
     open_run,
+    plot_run,
     save_checkpoint,
     save_learner,
     start_run,
+    stop_run,
 )
 from phalanx.algorithms.worker_recoveries import RestartWatch, console_line, recovery_row
 from phalanx.observe.breakdown import WallBreakdown, process_age_s
@@ -194,7 +197,6 @@ def train(
     ``on_update(learner)`` is called before every update (tests act on the learner's
     worker, ``learner.remote``, there).
     """
-    from phalanx.observe.metrics import MetricsLogger
     from phalanx.observe.phases import StepPhases
     from phalanx.observe.progress import Progress
 
@@ -202,18 +204,15 @@ def train(
     times = times if times is not None else WallBreakdown()
     cfg, run_dir, ckpt = open_run(cfg, resume)
     runners, learner = start_run(cfg, ckpt, cluster, times, start_learner_worker)
-    policy, optimizer, remote = learner.policy, learner.optimizer, learner.remote
+    policy, optimizer = learner.policy, learner.optimizer
     runner_restarts = RestartWatch(lambda: runners.remote_group)
-    log = MetricsLogger(run_dir, use_wandb=cfg.wandb)
-    if ckpt is not None:  # rows of iterations after the checkpoint are redone now
-        log.drop_after(learner.timesteps)
-    log.log_config({**asdict(cfg), "resumed_from": learner.timesteps if ckpt else None})
+    log = open_metrics(cfg, run_dir, learner, ckpt)
     bar = Progress(
         total=cfg.max_timesteps, start=learner.timesteps, title=f"PPO {cfg.env}", enabled=progress
     )
     phases = StepPhases(bar, breakdown=times)
+    clock = RunClock(t_start, time.perf_counter(), learner.timesteps)
     recent: deque[float] = deque(maxlen=cfg.stop_window)
-    t_loop, first_timesteps = time.perf_counter(), learner.timesteps
     reached_at: float | None = None
     stopped = False
     synced = True  # the runners hold the learner's current weights
@@ -250,8 +249,7 @@ def train(
             if stop_return_reached(cfg, recent):  # this batch's policy made it; it still trains
                 reached_at = time.perf_counter() - t_start
             if cfg.anneal_lr:
-                frac = max(1.0 - learner.timesteps / cfg.max_timesteps, cfg.lr_floor)
-                optimizer.param_groups[0]["lr"] = frac * cfg.learning_rate
+                optimizer.param_groups[0]["lr"] = annealed_lr(cfg, learner.timesteps)
             if on_update is not None:
                 on_update(learner)
             with phases("train", "learning", breakdown="learning"):
@@ -265,66 +263,41 @@ def train(
                     pending = runners.sample_async()
             # 5. metrics, the stop callback and the periodic checkpoint
             with phases("metrics", "metrics", breakdown="metrics and progress"):
-                now = time.perf_counter()
-                row = {
-                    "timesteps": learner.timesteps,
-                    "iteration": learner.iteration,
-                    "episodes": learner.episodes,
-                    **episode_metrics(batches, new_returns, recent),
-                    **stats,
-                    "lr": optimizer.param_groups[0]["lr"],
-                    **{f"time/{k}": phases.times.get(k, 0.0) for k in ("rollout", "train")},
-                    "time/weight_sync": phases.times.get("weight_sync", 0.0),
-                    "time/step": now - t_iter,
-                    "time/total": now - t_start,
-                    "throughput/steps_per_s": (learner.timesteps - first_timesteps)
-                    / max(now - t_loop, 1e-9),
-                    **runner_metrics(runners, batches, learner_version),
-                    "learner_restarts": 0 if remote is None else remote.restarts,
-                }
+                row = iteration_row(
+                    learner,
+                    episode_metrics(batches, new_returns, recent),
+                    stats,
+                    clock.metrics(phases.times, t_iter, learner.timesteps),
+                    runner_metrics(runners, batches, learner_version),
+                )
                 log.log(learner.timesteps, row)
                 log_runner_restarts(runner_restarts, runners, learner, bar, log)
                 bar.update(learner.timesteps, {**row, "return_mean": row["return_mean_recent"]})
             stopped = on_iteration is not None and bool(on_iteration(row, runners))
-            finishing = reached_at is not None or stopped
-            if learner.iteration % cfg.checkpoint_every == 0 and not finishing:
+            if learner.iteration % cfg.checkpoint_every == 0 and reached_at is None and not stopped:
                 with phases("checkpoint", breakdown="checkpoints"):
                     save_learner(run_dir, learner, runners, cfg)
     finally:
         bar.close()
         log.close()
-        train_loop_s = time.perf_counter() - t_loop
-        with times.phase("checkpoints"):
-            save_learner(run_dir, learner, runners, cfg)
-        restarts = runners.num_remote_worker_restarts()
-        with times.phase("env runners stop"):
-            runners.stop()
-        if remote is not None:
-            with times.phase("learner worker stop"):
-                remote.stop()
+        train_loop_s = time.perf_counter() - clock.loop
+        restarts = stop_run(run_dir, learner, runners, cfg, times)
     with times.phase("plotting"):
-        from phalanx.observe.metrics import read_metrics
-        from phalanx.observe.plots import plot_learning_curve
-
-        plot_learning_curve(read_metrics(run_dir), run_dir / "learning_curve.png", run_dir.name)
+        plot_run(run_dir)
     wall = time.perf_counter() - t_start
     times.save(run_dir, wall)
-    return {
-        "timesteps": learner.timesteps,
-        "iterations": learner.iteration,
-        "episodes": learner.episodes,
-        "return_mean_recent": float(np.mean(recent)) if recent else float("nan"),
-        "reached_stop_return": reached_at is not None,
-        "stopped_by_callback": stopped,
-        "time_to_stop_return_s": reached_at,
-        "wall_time_s": wall,
-        "train_loop_s": train_loop_s,
-        "steps_per_s": row.get("throughput/steps_per_s", float("nan")),
-        "restarts": restarts,
-        "learner_restarts": 0 if remote is None else remote.restarts,
-        "run_dir": str(run_dir),
-        "breakdown": times.as_dict(wall),
-    }
+    return run_summary(
+        learner,
+        recent,
+        run_dir,
+        times,
+        wall=wall,
+        train_loop_s=train_loop_s,
+        reached_at=reached_at,
+        stopped=stopped,
+        steps_per_s=row.get("throughput/steps_per_s", float("nan")),
+        restarts=restarts,
+    )
 
 
 def learn(learner: Learner, data: dict[str, torch.Tensor], cfg: PPOConfig,
@@ -381,6 +354,98 @@ def stop_return_reached(cfg: PPOConfig, recent: deque[float]) -> bool:
     (over at least ``min(stop_window, stop_min_episodes)`` episodes)."""
     enough = len(recent) >= min(cfg.stop_window, cfg.stop_min_episodes)
     return cfg.stop_return is not None and enough and float(np.mean(recent)) >= cfg.stop_return
+
+
+def annealed_lr(cfg: PPOConfig, timesteps: int) -> float:
+    """The learning rate after ``timesteps`` steps with ``anneal_lr``: falling linearly
+    from ``learning_rate`` to 0 at ``max_timesteps``, but not below ``lr_floor`` of it."""
+    frac = max(1.0 - timesteps / cfg.max_timesteps, cfg.lr_floor)
+    return frac * cfg.learning_rate
+
+
+@dataclass
+class RunClock:
+    """The run's wall-clock marks, for the ``time/*`` and throughput metrics.
+
+    Args:
+        start: when ``train`` started (``time.perf_counter()``).
+        loop: when its loop started.
+        loop_timesteps: the step count then (a resumed run's is the checkpoint's).
+    """
+
+    start: float
+    loop: float
+    loop_timesteps: int
+
+    def metrics(self, phases: dict[str, float], t_iter: float, timesteps: int) -> dict[str, float]:
+        """The seconds of this iteration's phases (``phases``) and of the whole iteration
+        (begun at ``t_iter``), the run's seconds so far, and the loop's env steps/s."""
+        now = time.perf_counter()
+        return {
+            **{f"time/{k}": phases.get(k, 0.0) for k in ("rollout", "train", "weight_sync")},
+            "time/step": now - t_iter,
+            "time/total": now - self.start,
+            "throughput/steps_per_s": (timesteps - self.loop_timesteps)
+            / max(now - self.loop, 1e-9),
+        }
+
+
+def iteration_row(
+    learner: Learner,
+    episodes: dict[str, float],
+    stats: dict[str, float],
+    timing: dict[str, float],
+    runners: dict[str, int],
+) -> dict[str, Any]:
+    """One iteration's row of ``metrics.jsonl``: the learner's counters, then the
+    episodes' (``episode_metrics``), the update's ``stats``, the learning rate, the
+    ``timing`` (``RunClock.metrics``), the runners' (``runner_metrics``) and the learner's
+    worker's restarts."""
+    return {
+        "timesteps": learner.timesteps,
+        "iteration": learner.iteration,
+        "episodes": learner.episodes,
+        **episodes,
+        **stats,
+        "lr": learner.optimizer.param_groups[0]["lr"],
+        **timing,
+        **runners,
+        "learner_restarts": 0 if learner.remote is None else learner.remote.restarts,
+    }
+
+
+def run_summary(
+    learner: Learner,
+    recent: deque[float],
+    run_dir: Path,
+    times: WallBreakdown,
+    *,
+    wall: float,
+    train_loop_s: float,
+    reached_at: float | None,
+    stopped: bool,
+    steps_per_s: float,
+    restarts: int,
+) -> dict[str, Any]:
+    """What ``train`` returns: the counters, the recent mean return, how the run ended
+    (``reached_at``: seconds to the stop return, or None; ``stopped`` by the callback),
+    its seconds, the last env steps/s, the restarts and the wall-time breakdown."""
+    return {
+        "timesteps": learner.timesteps,
+        "iterations": learner.iteration,
+        "episodes": learner.episodes,
+        "return_mean_recent": float(np.mean(recent)) if recent else float("nan"),
+        "reached_stop_return": reached_at is not None,
+        "stopped_by_callback": stopped,
+        "time_to_stop_return_s": reached_at,
+        "wall_time_s": wall,
+        "train_loop_s": train_loop_s,
+        "steps_per_s": steps_per_s,
+        "restarts": restarts,
+        "learner_restarts": 0 if learner.remote is None else learner.remote.restarts,
+        "run_dir": str(run_dir),
+        "breakdown": times.as_dict(wall),
+    }
 
 
 def episode_metrics(

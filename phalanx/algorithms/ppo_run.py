@@ -1,9 +1,12 @@
-"""A PPO run's start-up and checkpoints: what ``ppo.train`` needs before its first
-iteration and between iterations, kept out of the loop so that it reads top to bottom.
+"""A PPO run's start-up, checkpoints and end: what ``ppo.train`` needs before its first
+iteration, between iterations and after its last, kept out of the loop so that it reads
+top to bottom.
 
 ``open_run`` validates the config, names the run and reads the checkpoint to resume;
 ``start_run`` starts Ray and the env runners while a helper thread imports torch and
-builds the learner, then gives the runners the learner's weights. A checkpoint
+builds the learner, then gives the runners the learner's weights; ``open_metrics`` opens
+the metrics log; ``stop_run`` writes the final checkpoint and stops what ``start_run``
+started. A checkpoint
 (``run_checkpoints``' folder format, shared with GRPO) holds the policy, the optimizer,
 the observation normaliser and the counters.
 """
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
     import torch
 
     from phalanx.envs import EnvRunnerGroup
+    from phalanx.observe.metrics import MetricsLogger
 
 LEARNER_FILE = "learner.pt"  # a PPO checkpoint's file beside its state.json
 KEEP_CHECKPOINTS = 2  # the newest two: rewriting one step's folder always leaves the other
@@ -309,6 +313,45 @@ def start_run(
             remote_future.result().stop()
         raise
     return runners, learner
+
+
+def open_metrics(
+    cfg: PPOConfig, run_dir: Path, learner: Learner, ckpt: dict[str, Any] | None
+) -> MetricsLogger:
+    """The run's ``MetricsLogger`` with its config row written. A resumed run's rows of
+    iterations after the checkpoint are dropped: those iterations are redone."""
+    from phalanx.observe.metrics import MetricsLogger
+
+    log = MetricsLogger(run_dir, use_wandb=cfg.wandb)
+    if ckpt is not None:
+        log.drop_after(learner.timesteps)
+    log.log_config({**asdict(cfg), "resumed_from": learner.timesteps if ckpt else None})
+    return log
+
+
+def stop_run(
+    run_dir: Path, learner: Learner, runners: EnvRunnerGroup, cfg: PPOConfig, times: WallBreakdown
+) -> int:
+    """The end of a run, however it ended: the final checkpoint, then the env runners and
+    the learner's worker stopped. Returns the env runners' restart count, read before
+    they stop."""
+    with times.phase("checkpoints"):
+        save_learner(run_dir, learner, runners, cfg)
+    restarts = runners.num_remote_worker_restarts()
+    with times.phase("env runners stop"):
+        runners.stop()
+    if learner.remote is not None:
+        with times.phase("learner worker stop"):
+            learner.remote.stop()
+    return restarts
+
+
+def plot_run(run_dir: Path) -> None:
+    """``learning_curve.png`` of the run's ``metrics.jsonl``."""
+    from phalanx.observe.metrics import read_metrics
+    from phalanx.observe.plots import plot_learning_curve
+
+    plot_learning_curve(read_metrics(run_dir), run_dir / "learning_curve.png", run_dir.name)
 
 
 def _timed(times: WallBreakdown, phase: str, fn: Any, *args: Any) -> Any:

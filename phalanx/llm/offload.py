@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -64,6 +65,7 @@ def move_to_cpu(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+@dataclass(eq=False, repr=False)
 class Offload:
     """Where one policy rank's model and optimizer state live, phase by phase.
 
@@ -76,25 +78,17 @@ class Offload:
         release_refit_buffers: drops the weights held for refit receivers.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        model_device: torch.device,
-        offload_optimizer_for_logprob: bool,
-        release_refit_buffers: Callable[[], None],
-    ) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.model_device = model_device
-        self._offload_optimizer_for_logprob = offload_optimizer_for_logprob
-        self._release_refit_buffers = release_refit_buffers
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None
+    model_device: torch.device
+    offload_optimizer_for_logprob: bool
+    release_refit_buffers: Callable[[], None]
 
     def prepare_for_lp_inference(self, keep_train_buffers: bool = False) -> None:
         """Model on its device in eval mode; optimizer state off the device unless
         ``keep_train_buffers`` (or ``offload_optimizer_for_logprob`` is False)."""
         move_to_device(self.model, self.model_device).eval()
-        if not keep_train_buffers and self._offload_optimizer_for_logprob:
+        if not keep_train_buffers and self.offload_optimizer_for_logprob:
             self.offload_before_refit()
 
     def prepare_for_training(self) -> None:
@@ -111,7 +105,7 @@ class Offload:
     def offload_after_refit(self) -> None:
         """Free the held refit buffers and move the model to CPU (until training resumes)."""
         move_to_cpu(self.model).eval()
-        self._release_refit_buffers()
+        self.release_refit_buffers()
         move_optimizer_to_device(self.optimizer, "cpu")
         free_device_cache()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from phalanx.llm.lora import base_state_dict, merged_state_dict
 PG_TIMEOUT_S = 300.0
 
 
+@dataclass(eq=False, repr=False)
 class RefitSource:
     """One policy rank's refit methods and the buffers they keep between refits.
 
@@ -36,31 +38,23 @@ class RefitSource:
         device_id: gives the id of the rank's device, as the IPC handles are keyed.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        peft_model: Any,
-        cfg: dict[str, Any],
-        dtype: torch.dtype,
-        device: torch.device,
-        rank: int,
-        device_id: Callable[[], str],
-    ) -> None:
-        self.model = model
-        self.peft_model = peft_model
-        self.cfg = cfg
-        self.dtype = dtype
-        self.device = device
-        self.rank = rank
-        self._device_id = device_id
-        self._held_refit: dict[str, torch.Tensor] | None = None
-        self._ipc_buffer: Any = None  # RefitBuffer of get_weights_ipc_handles
-        self._refit_segment: Any = None
-        self._refit_layout: tuple[Any, Any] | None = None
-        self._one_node: bool | None = None
-        self._refit_maps: dict[str, Any] = {}  # name -> mapped buffer (write_weights_to_shm)
-        self._refit_store: Any = None
-        self.model_update_group: Any = None  # the collective refit's process group
+    model: torch.nn.Module
+    peft_model: Any
+    cfg: dict[str, Any]
+    dtype: torch.dtype
+    device: torch.device
+    rank: int
+    device_id: Callable[[], str]
+    # What refits keep between them (not constructor arguments):
+    _held_refit: dict[str, torch.Tensor] | None = field(default=None, init=False)
+    _ipc_buffer: Any = field(default=None, init=False)  # RefitBuffer of get_weights_ipc_handles
+    _refit_segment: Any = field(default=None, init=False)
+    _refit_layout: tuple[Any, Any] | None = field(default=None, init=False)
+    _one_node: bool | None = field(default=None, init=False)
+    # name -> mapped buffer (write_weights_to_shm)
+    _refit_maps: dict[str, Any] = field(default_factory=dict, init=False)
+    _refit_store: Any = field(default=None, init=False)
+    model_update_group: Any = field(default=None, init=False)  # the collective refit's group
 
     def _refit_state(self, merged: bool = True) -> dict[str, torch.Tensor]:
         """The weights a refit sends, as this rank holds them: the model's state dict, or
@@ -152,7 +146,7 @@ class RefitSource:
         if self._ipc_buffer is None:
             cuda = self.device.type == "cuda"
             self._ipc_buffer = RefitBuffer(self.device if cuda else torch.device("cpu"))
-        return {self._device_id(): self._ipc_buffer.pack(layout, sources)}
+        return {self.device_id(): self._ipc_buffer.pack(layout, sources)}
 
     def pack_weights_for_ipc(self) -> dict[str, Any] | None:
         """Write the weights into a same-node buffer; rank 0 returns the handles."""
@@ -167,7 +161,7 @@ class RefitSource:
         dist.barrier()  # rank 0 returns once every rank has written: receivers may read
         if self.rank != 0:
             return None
-        return {self._device_id(): {"kind": "shm", "layout": layout, "name": segment.name}}
+        return {self.device_id(): {"kind": "shm", "layout": layout, "name": segment.name}}
 
     def _stream_state(self) -> tuple[dict[str, torch.Tensor], Any]:
         """The (resharded) state dict and its full-tensor stream layout, cached by shapes."""

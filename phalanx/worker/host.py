@@ -19,6 +19,8 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -101,6 +103,13 @@ def adopt_torch_threads() -> None:
         _thread_state.torch_threads = True
 
 
+@dataclass(slots=True)
+class _Call:
+    """What one call on the worker returned, for its trace record (None until it does)."""
+
+    result: Any = None
+
+
 class WorkerHost:
     """Hosts the user's worker object inside a Ray actor process."""
 
@@ -163,10 +172,7 @@ class WorkerHost:
     def _px_stream(self, _px_method__: str, *args: Any, **kwargs: Any) -> Iterator[Any]:
         method = _px_method__
         fn = self._resolve(method)
-        self._current = (method, time.time())
-        adopt_torch_threads()
-        t0 = _trace.call_begin() if _trace.ON else 0.0
-        try:
+        with self._running(method, args, kwargs):
             if self._kinds.get(method) == "asyncgen":
                 agen = fn(*args, **kwargs)
                 while True:
@@ -179,15 +185,6 @@ class WorkerHost:
                 # from`` hands to the method's own ``yield from`` of a plain iterator.
                 for item in fn(*args, **kwargs):  # noqa: UP028
                     yield item
-        except SystemExit:
-            self._exiting.set()
-            raise
-        except Exception as e:
-            raise self._error(method, e) from None
-        finally:
-            self._current = None
-            if t0:
-                _trace.worker_call(method, t0, args, kwargs, None)
 
     @holds_model_lock
     def _px_apply(self, _px_fn__: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -198,11 +195,7 @@ class WorkerHost:
 
     def _invoke(self, name: str, run: Callable[[], Any], args: tuple, kwargs: dict) -> Any:
         """Run one call (awaiting it if it is a coroutine) with error wrapping and tracing."""
-        self._current = (name, time.time())
-        adopt_torch_threads()
-        t0 = _trace.call_begin() if _trace.ON else 0.0
-        out = None
-        try:
+        with self._running(name, args, kwargs) as call:
             out = run()
             if inspect.iscoroutine(out):
                 out = self._run_coro(out)
@@ -214,7 +207,22 @@ class WorkerHost:
                     f"{name} a generator function (one that yields: its items are streamed "
                     "to the caller) or return a list"
                 )
+            call.result = out
             return out
+
+    @contextmanager
+    def _running(self, name: str, args: tuple, kwargs: dict) -> Iterator[_Call]:
+        """The frame of every call on the worker, plain or streamed: ``_current`` names it
+        (for ``phalanx status``), the thread gets torch's thread count, an exception comes
+        out as a ``WorkerError`` naming the method (``sys.exit`` as itself, flagged for
+        ``_px_watch``), and with tracing on the call is recorded with the result the block
+        put in ``call.result``."""
+        self._current = (name, time.time())
+        adopt_torch_threads()
+        t0 = _trace.call_begin() if _trace.ON else 0.0
+        call = _Call()
+        try:
+            yield call
         except SystemExit:
             self._exiting.set()
             raise
@@ -223,7 +231,7 @@ class WorkerHost:
         finally:
             self._current = None
             if t0:
-                _trace.worker_call(name, t0, args, kwargs, out)
+                _trace.worker_call(name, t0, args, kwargs, call.result)
 
     def _px_pop_durations(self) -> dict[str, float]:
         return self._timers.consume()

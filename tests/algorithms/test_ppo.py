@@ -5,13 +5,27 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
+from collections import deque
 
 import numpy as np
 import pytest
 import torch
 
-from phalanx.algorithms.ppo import PPOConfig, build_policy, gae, load_checkpoint, train
+from phalanx.algorithms.ppo import (
+    Learner,
+    PPOConfig,
+    RunClock,
+    annealed_lr,
+    build_policy,
+    gae,
+    iteration_row,
+    load_checkpoint,
+    run_summary,
+    train,
+)
 from phalanx.cli.main import main
+from phalanx.observe.breakdown import WallBreakdown
 from phalanx.observe.metrics import read_metrics
 
 
@@ -57,6 +71,79 @@ def test_gae_bootstraps_truncation_only():
     b["terminateds"], b["truncateds"] = b["truncateds"], b["terminateds"]  # terminated instead
     adv, _ = gae(b, gamma=0.5, lam=1.0)
     np.testing.assert_allclose(adv[:, 0], [0.0 + 0.5 * -1.0, -1.0, 1.5])
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.smoke
+def test_annealed_lr_falls_linearly_to_its_floor(tmp_path):
+    cfg = _cfg(tmp_path, learning_rate=1e-3, max_timesteps=1000, lr_floor=0.1)
+    assert annealed_lr(cfg, 0) == 1e-3
+    assert annealed_lr(cfg, 500) == 0.5 * 1e-3
+    assert annealed_lr(cfg, 880) == (1.0 - 880 / 1000) * 1e-3
+    assert annealed_lr(cfg, 950) == 0.1 * 1e-3  # 0.05 of the way left: the floor
+    assert annealed_lr(cfg, 1000) == 0.1 * 1e-3
+
+
+def _learner(cfg: PPOConfig) -> Learner:
+    import gymnasium as gym
+
+    spaces = (gym.spaces.Box(-1.0, 1.0, (4,)), gym.spaces.Discrete(2))
+    policy = build_policy(cfg, *spaces)
+    return Learner(policy, torch.optim.Adam(policy.parameters(), lr=cfg.learning_rate), spaces)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.smoke
+def test_iteration_row_and_summary_keep_their_keys_in_order(tmp_path):
+    """The metrics row and the summary (printed as JSON by the CLI) keep their keys and
+    their order: counters, episodes, update, learning rate, timing, runners, restarts."""
+    cfg = _cfg(tmp_path, learning_rate=1e-3)
+    learner = _learner(cfg)
+    learner.timesteps, learner.iteration, learner.episodes = 512, 2, 7
+    learner.optimizer.param_groups[0]["lr"] = 4e-4
+    row = iteration_row(
+        learner, {"return_mean": 20.0}, {"loss/policy": 0.5}, {"time/step": 2.0}, {"restarts": 1}
+    )
+    assert row == {
+        "timesteps": 512, "iteration": 2, "episodes": 7, "return_mean": 20.0,
+        "loss/policy": 0.5, "lr": 4e-4, "time/step": 2.0, "restarts": 1, "learner_restarts": 0,
+    }  # fmt: skip
+    assert list(row) == ["timesteps", "iteration", "episodes", "return_mean", "loss/policy",
+                         "lr", "time/step", "restarts", "learner_restarts"]  # fmt: skip
+
+    times = WallBreakdown()
+    times.add("learning", 3.0)
+    summary = run_summary(learner, deque([10.0, 30.0]), tmp_path, times, wall=8.0,
+                          train_loop_s=6.0, reached_at=5.5, stopped=False, steps_per_s=100.0,
+                          restarts=1)  # fmt: skip
+    assert list(summary) == [
+        "timesteps", "iterations", "episodes", "return_mean_recent", "reached_stop_return",
+        "stopped_by_callback", "time_to_stop_return_s", "wall_time_s", "train_loop_s",
+        "steps_per_s", "restarts", "learner_restarts", "run_dir", "breakdown",
+    ]  # fmt: skip
+    assert summary["timesteps"] == 512 and summary["iterations"] == 2
+    assert summary["return_mean_recent"] == 20.0 and summary["reached_stop_return"] is True
+    assert summary["time_to_stop_return_s"] == 5.5 and summary["run_dir"] == str(tmp_path)
+    assert summary["breakdown"] == times.as_dict(8.0)
+    empty = run_summary(learner, deque(), tmp_path, times, wall=8.0, train_loop_s=6.0,
+                        reached_at=None, stopped=True, steps_per_s=100.0, restarts=0)  # fmt: skip
+    assert np.isnan(empty["return_mean_recent"]) and empty["reached_stop_return"] is False
+    assert empty["stopped_by_callback"] is True
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.smoke
+def test_run_clock_times_the_iteration_and_the_loop():
+    start = time.perf_counter()
+    clock = RunClock(start=start - 10.0, loop=start - 5.0, loop_timesteps=100)
+    m = clock.metrics({"rollout": 1.5, "train": 2.5}, t_iter=start - 1.0, timesteps=600)
+    elapsed = time.perf_counter() - start
+    assert list(m) == ["time/rollout", "time/train", "time/weight_sync", "time/step",
+                       "time/total", "throughput/steps_per_s"]  # fmt: skip
+    assert (m["time/rollout"], m["time/train"], m["time/weight_sync"]) == (1.5, 2.5, 0.0)
+    assert 1.0 <= m["time/step"] <= 1.0 + elapsed
+    assert 10.0 <= m["time/total"] <= 10.0 + elapsed
+    assert 500 / (5.0 + elapsed) <= m["throughput/steps_per_s"] <= 500 / 5.0
 
 
 @pytest.mark.timeout(150)
