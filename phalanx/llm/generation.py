@@ -156,6 +156,8 @@ class GenerationWorker(Worker, GenerationInterface):
 
     Attributes:
         device: the rank's device (its GPU when there is one, else the CPU).
+        samplers: the random generators sampling draws from, by name; ``get_state`` keeps
+            their states for a restarted rank.
 
     Args:
         on_applied: called after each version a refit method loaded, or None.
@@ -165,6 +167,7 @@ class GenerationWorker(Worker, GenerationInterface):
         super().__init__()
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         self._refit = RefitReceiver(self, self.rank, self.device, on_applied)
+        self.samplers: dict[str, torch.Generator] = {}
 
     @property
     def weights_updates(self) -> int:
@@ -262,16 +265,17 @@ class GenerationWorker(Worker, GenerationInterface):
         A group under a restart policy keeps the result of each ``get_state`` call and
         gives it to the new process's ``set_state``, so a batch that a death interrupted
         is sampled again with the same random numbers. The weights are not part of it: a
-        restarted rank is refitted. This base keeps nothing: a backend whose sampler
-        cannot be restored (vLLM's engine) samples a regenerated batch anew.
+        restarted rank is refitted. It holds the state of each generator in ``samplers``;
+        a backend whose sampler cannot be restored (vLLM's engine) registers none, and a
+        regenerated batch there is sampled anew.
 
         Returns:
-            The sampler's state (empty here).
+            The state of each sampling generator, by name.
         """
-        return {}
+        return {name: gen.get_state() for name, gen in self.samplers.items()}
 
     def set_state(self, state: dict[str, Any]) -> bool:
-        """Take a state ``get_state`` returned (on a restarted rank, before it serves).
+        """Sample from now on as the worker that returned ``state`` would have.
 
         Args:
             state: the dict ``get_state`` returned.
@@ -280,12 +284,14 @@ class GenerationWorker(Worker, GenerationInterface):
             True.
 
         Raises:
-            ValueError: ``state`` holds keys this worker does not keep.
+            ValueError: ``state`` is not a dict with the keys of ``get_state()``.
         """
-        if state:
-            raise ValueError(
-                f"{type(self).__name__}.set_state: keeps no sampler state, got {sorted(state)}"
-            )
+        expected = sorted(self.samplers)
+        if not isinstance(state, dict) or sorted(state) != expected:
+            got = sorted(state) if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"state: expected the keys {expected} of get_state(), got {got}")
+        for name, gen in self.samplers.items():
+            gen.set_state(state[name])
         return True
 
     def get_state_dict(self) -> dict[str, torch.Tensor]:
@@ -348,35 +354,10 @@ class HFGenerationWorker(GenerationWorker):
         self._gen = torch.Generator(device=self.device).manual_seed(
             int(self.cfg.get("seed", 0)) * 1009 + self.rank
         )
+        self.samplers["sampling_rng"] = self._gen
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}[rank={self.rank}]"
-
-    def get_state(self) -> dict[str, Any]:
-        """The sampler's random state (see ``GenerationWorker.get_state``).
-
-        Returns:
-            ``{"sampling_rng": <the sampling generator's state>}``.
-        """
-        return {"sampling_rng": self._gen.get_state()}
-
-    def set_state(self, state: dict[str, Any]) -> bool:
-        """Sample from now on as the worker that returned ``state`` would have.
-
-        Args:
-            state: the dict ``get_state`` returned.
-
-        Returns:
-            True.
-
-        Raises:
-            ValueError: ``state`` is not such a dict.
-        """
-        if not isinstance(state, dict) or set(state) != {"sampling_rng"}:
-            keys = sorted(state) if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"state: expected {{'sampling_rng': ...}}, got {keys}")
-        self._gen.set_state(state["sampling_rng"])
-        return True
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
