@@ -12,7 +12,7 @@ Every other key (a value phalanx cannot honour, a key it does not know) is a
 ``ConfigError`` that lists them all, each by its full dotted name and why.
 ``docs/compat.md`` has the table.
 
-:mod:`grpo_nemo_yaml` loads the file, :mod:`grpo_nemo_rules` holds the rule of each key.
+:mod:`grpo_nemo_base` loads the file, :mod:`grpo_nemo_rules` holds the rule of each key.
 A ``phalanx:`` section sets ``GRPOConfig`` fields that NeMo-RL has no key for (``task``,
 ``eval_every``, ``num_threads``, ...); a field set both there and by a NeMo-RL key is an
 error.
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from phalanx.algorithms.grpo_nemo_rules import PHALANX_SECTION, RULES, SECTION_RULES, Reader
-from phalanx.algorithms.grpo_nemo_yaml import load_nemo_rl_yaml, resolve_interpolations
+from phalanx.algorithms.grpo_nemo_base import Reader, load_nemo_rl_yaml, resolve_interpolations
+from phalanx.algorithms.grpo_nemo_rules import PHALANX_SECTION, RULES, SECTION_RULES
 from phalanx.llm.policy_config import ConfigError
 
 SECTIONS = ("grpo", "loss_fn", "policy", "checkpointing", "logger", "data", "env", "cluster")
@@ -84,7 +84,8 @@ def nemo_rl_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
             r.refuse(
                 str(top),
                 value,
-                f"not a NeMo-RL GRPO section phalanx knows ({', '.join(SECTIONS)}, {PHALANX_SECTION})",
+                f"not a NeMo-RL GRPO section phalanx knows "
+                f"({', '.join(SECTIONS)}, {PHALANX_SECTION})",
             )
         elif not isinstance(value, dict):
             r.refuse(str(top), value, "must be a mapping")

@@ -6,131 +6,25 @@ walks a config through them."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 from importlib.util import find_spec
 from typing import Any
+
+from phalanx.algorithms.grpo_nemo_base import (
+    Reader,
+    Rule,
+    custom,
+    only,
+    refused,
+    same_as,
+    to,
+    unused,
+    unused_unless,
+)
 
 PHALANX_SECTION = "phalanx"
 WANDB_PROJECT = "phalanx"  # the W&B project phalanx's metrics logger writes to
 DYNAMIC_BATCHING_ROUND = 16  # phalanx's dynamic batches round sequence lengths to this
 VLLM_GPU_MEMORY_UTILIZATION = 0.9  # what phalanx's GRPO run starts its engines with
-
-
-class Reader:
-    """Walks a resolved NeMo-RL config; collects the fields it sets and the problems."""
-
-    def __init__(self, cfg: dict[str, Any]) -> None:
-        self.cfg = cfg
-        self.fields: dict[str, Any] = {}
-        self.set_by: dict[str, str] = {}
-        self.problems: list[str] = []
-
-    def get(self, dotted: str, default: Any = None) -> Any:
-        node: Any = self.cfg
-        for part in dotted.split("."):
-            if not isinstance(node, dict) or part not in node:
-                return default
-            node = node[part]
-        return node
-
-    def has(self, dotted: str) -> bool:
-        marker = object()
-        return self.get(dotted, marker) is not marker
-
-    def set(self, field: str, value: Any, key: str) -> None:
-        if field in self.set_by and self.set_by[field] != key:
-            self.refuse(key, value, f"sets {field}, which {self.set_by[field]} sets too")
-            return
-        self.fields[field] = value
-        self.set_by[field] = key
-
-    def refuse(self, key: str, value: Any, why: str) -> None:
-        self.problems.append(f"{key}={value!r}: {why}")
-
-
-@dataclass(frozen=True)
-class Rule:
-    """How one NeMo-RL key is read (``read(reader, dotted key, value)``) and what the
-    mapping table says about it (``doc``)."""
-
-    read: Callable[[Reader, str, Any], None]
-    doc: str
-
-    def __call__(self, r: Reader, key: str, value: Any) -> None:
-        self.read(r, key, value)
-
-
-def to(field: str, convert: Callable[[Any], Any] | None = None) -> Rule:
-    """The key sets ``field``."""
-
-    def rule(r: Reader, key: str, value: Any) -> None:
-        r.set(field, convert(value) if convert is not None else value, key)
-
-    return Rule(rule, f"`{field}`")
-
-
-def only(*allowed: Any, why: str) -> Rule:
-    """The key is accepted at the ``allowed`` values (what phalanx does), else refused."""
-
-    def rule(r: Reader, key: str, value: Any) -> None:
-        if not any(value == a and type(value) is type(a) for a in allowed) and not (
-            isinstance(value, float) and any(value == a for a in allowed if type(a) is int)
-        ):
-            r.refuse(key, value, f"only {' or '.join(map(_yaml, allowed))}: {why}")
-
-    return Rule(rule, f"only {' / '.join(map(_yaml, allowed))}: {why}")
-
-
-def _yaml(value: Any) -> str:
-    """``value`` as a YAML file spells it."""
-    if value is None or isinstance(value, bool):
-        return {None: "null", True: "true", False: "false"}[value]
-    return f'"{value}"' if isinstance(value, str) else repr(value)
-
-
-def same_as(other: str, why: str) -> Rule:
-    """The key must hold the value of the key ``other``."""
-
-    def rule(r: Reader, key: str, value: Any) -> None:
-        if value != r.get(other):
-            r.refuse(key, value, f"must equal {other} ({r.get(other)!r}): {why}")
-
-    return Rule(rule, f"must equal `{other}`: {why}")
-
-
-def refused(why: str) -> Rule:
-    def rule(r: Reader, key: str, value: Any) -> None:
-        r.refuse(key, value, why)
-
-    return Rule(rule, f"refused: {why}")
-
-
-def unused(why: str) -> Rule:
-    """A key that only matters through another key, which phalanx requires unset."""
-
-    def rule(r: Reader, key: str, value: Any) -> None:
-        return None
-
-    return Rule(rule, f"unused: {why}")
-
-
-def unused_unless(flag: str, why: str) -> Rule:
-    """Keys of a section that the boolean ``flag`` switches off: accepted and unused, as
-    NeMo-RL leaves them; the flag itself at true is refused with ``why``."""
-
-    def rule(r: Reader, key: str, value: Any) -> None:
-        if key == flag and value is not False:
-            r.refuse(key, value, why)
-
-    return Rule(rule, f"unused while `{flag}` is false (true is refused: {why})")
-
-
-def _custom(doc: str) -> Callable[[Callable[[Reader, str, Any], None]], Rule]:
-    def wrap(fn: Callable[[Reader, str, Any], None]) -> Rule:
-        return Rule(fn, doc)
-
-    return wrap
 
 
 def _builtin_tasks() -> tuple[str, ...]:
@@ -147,7 +41,7 @@ def _task_is_jsonl(r: Reader) -> bool:
     return str(r.get(f"{PHALANX_SECTION}.task", "")).endswith(".jsonl")
 
 
-@_custom(
+@custom(
     "accepted for a built-in task (its problems are generated: no epoch ever ends); refused "
     "for a JSONL task (sampled with replacement: no epochs)"
 )
@@ -156,22 +50,23 @@ def _max_num_epochs(r: Reader, key: str, value: Any) -> None:
         r.refuse(key, value, "a JSONL task is sampled with replacement, it has no epochs")
 
 
-@_custom("must be true while `grpo.val_period` > 0, false at 0 (phalanx evaluates at the end then)")
+@custom("must be true while `grpo.val_period` > 0, false at 0 (phalanx evaluates at the end then)")
 def _val_at_end(r: Reader, key: str, value: Any) -> None:
     period = r.get("grpo.val_period", r.get(f"{PHALANX_SECTION}.eval_every", 5))
-    if value is not (bool(period) and period > 0):
+    if value is not (isinstance(period, int) and period > 0):
         r.refuse(key, value, "phalanx evaluates at the end exactly when grpo.val_period > 0")
 
 
-@_custom("at least `grpo.max_val_samples`: phalanx decodes the held-out split in one call")
+@custom("at least `grpo.max_val_samples`: phalanx decodes the held-out split in one call")
 def _val_batch_size(r: Reader, key: str, value: Any) -> None:
     size = r.get("grpo.max_val_samples", r.get(f"{PHALANX_SECTION}.eval_size", 100))
-    if not isinstance(value, int) or value < size:
+    if not isinstance(value, int) or not isinstance(size, int) or value < size:
         r.refuse(key, value, f"phalanx decodes the {size} held-out problems in one call")
 
 
-@_custom(
-    "true only without a KL penalty, false only with one (phalanx runs the reference pass exactly when `loss_fn.reference_policy_kl_penalty` > 0)"
+@custom(
+    "true only without a KL penalty, false only with one (phalanx runs the reference pass exactly "
+    "when `loss_fn.reference_policy_kl_penalty` > 0)"
 )
 def _skip_reference(r: Reader, key: str, value: Any) -> None:
     kl = r.get("loss_fn.reference_policy_kl_penalty", 0.0)
@@ -179,31 +74,29 @@ def _skip_reference(r: Reader, key: str, value: Any) -> None:
         r.refuse(key, value, "phalanx runs the reference pass exactly when the KL penalty is > 0")
 
 
-@_custom(
+@custom(
     "false only, synchronous GRPO (its update is on-policy); asynchronous GRPO corrects "
     "stale rows with the generator's log-probs inside the ratio instead: leave the key out"
 )
 def _importance_sampling(r: Reader, key: str, value: Any) -> None:
     if value is not False or r.get("grpo.async_grpo.enabled", False):
-        r.refuse(
-            key,
-            value,
-            "phalanx's synchronous update is on-policy (no correction) and its asynchronous "
-            "one puts the generator's log-probs in the ratio, not NeMo-RL's separate weight; "
-            "leave the key out",
+        why = (
+            "phalanx's sync update is on-policy; async puts the generator's log-probs in the ratio"
         )
+        r.refuse(key, value, f"{why}, not NeMo-RL's separate weight: leave the key out")
 
 
-@_custom(
-    "accepted with `generation.backend: vllm` (NeMo-RL reads it only for HF generation); refused with hf"
+@custom(
+    "accepted with `generation.backend: vllm` (NeMo-RL reads it only for HF generation); refused "
+    "with hf"
 )
 def _generation_batch_size(r: Reader, key: str, value: Any) -> None:
     if r.get("policy.generation.backend", "hf") != "vllm":
         r.refuse(key, value, "phalanx's HF generation decodes a worker's rows in one batch")
 
 
-def _mb_tokens(batch_key: str, field: str) -> Rule:
-    @_custom(
+def _mb_tokens(batch_key: str) -> Rule:
+    @custom(
         f"must equal `{batch_key}` x `policy.max_total_sequence_length` (phalanx's token budget)"
     )
     def rule(r: Reader, key: str, value: Any) -> None:
@@ -211,29 +104,22 @@ def _mb_tokens(batch_key: str, field: str) -> Rule:
             return
         rows, seq = r.get(batch_key), r.get("policy.max_total_sequence_length")
         if not isinstance(seq, int) or not isinstance(rows, int):
-            r.refuse(
-                key,
-                value,
-                f"set policy.max_total_sequence_length and {batch_key}: phalanx's budget is their product",
-            )
+            r.refuse(key, value, f"phalanx's budget is {batch_key} x max_total_sequence_length")
         elif value != rows * seq:
-            r.refuse(
-                key,
-                value,
-                f"phalanx's budget is {batch_key} x max_total_sequence_length = {rows * seq}",
-            )
+            r.refuse(key, value, f"phalanx's budget is {batch_key} x {seq} = {rows * seq}")
 
     return rule
 
 
-@_custom(f"{DYNAMIC_BATCHING_ROUND} only (phalanx's rounding) while dynamic batching is on")
+@custom(f"{DYNAMIC_BATCHING_ROUND} only (phalanx's rounding) while dynamic batching is on")
 def _round(r: Reader, key: str, value: Any) -> None:
     if r.get("policy.dynamic_batching.enabled") and value != DYNAMIC_BATCHING_ROUND:
         r.refuse(key, value, f"phalanx rounds dynamic batches' lengths to {DYNAMIC_BATCHING_ROUND}")
 
 
-@_custom(
-    "with `enabled: true`: `dim` -> `lora_rank`, `alpha` -> `lora_alpha`, `target_modules` -> `lora_target_modules`"
+@custom(
+    "with `enabled: true`: `dim` -> `lora_rank`, `alpha` -> `lora_alpha`, `target_modules` -> "
+    "`lora_target_modules`"
 )
 def _lora(r: Reader, key: str, value: Any) -> None:
     if not isinstance(value, dict):
@@ -255,16 +141,16 @@ def _lora(r: Reader, key: str, value: Any) -> None:
     r.set("lora_target_modules", list(targets), f"{key}.target_modules")
     if value.get("match_all_linear", not targets) is not (not targets):
         r.refuse(f"{key}.match_all_linear", value.get("match_all_linear"),
-                 "phalanx adapts every linear layer exactly when target_modules is empty")  # fmt: skip
+                 "adapts every linear layer exactly when target_modules is empty")  # fmt: skip
     for name, default in (("use_triton", False), ("dropout", 0.0), ("lora_A_init", "xavier")):
         if name in value and value[name] != default:
             r.refuse(f"{key}.{name}", value[name], f"phalanx train grpo uses {default!r}")
     if value.get("exclude_modules"):
         r.refuse(f"{key}.exclude_modules", value["exclude_modules"],
-                 "phalanx train grpo names the adapted modules with target_modules only")  # fmt: skip
+                 "phalanx names the adapted modules with target_modules only")  # fmt: skip
 
 
-@_custom("`hf` or `vllm` -> `generation_backend`")
+@custom("`hf` or `vllm` -> `generation_backend`")
 def _backend(r: Reader, key: str, value: Any) -> None:
     if value not in ("hf", "vllm"):
         r.refuse(key, value, "phalanx generates with hf (its own loop) or vllm")
@@ -272,14 +158,10 @@ def _backend(r: Reader, key: str, value: Any) -> None:
         r.set("generation_backend", value, key)
 
 
-@_custom("must equal `policy.max_total_sequence_length` (phalanx sizes its engines to it)")
+@custom("must equal `policy.max_total_sequence_length` (phalanx sizes its engines to it)")
 def _max_model_len(r: Reader, key: str, value: Any) -> None:
     if value != r.get("policy.max_total_sequence_length"):
-        r.refuse(
-            key,
-            value,
-            "phalanx starts its engines with max_model_len = policy.max_total_sequence_length",
-        )
+        r.refuse(key, value, "phalanx's engines take policy.max_total_sequence_length")
 
 
 def _vllm(rule: Rule) -> Rule:
@@ -292,8 +174,9 @@ def _vllm(rule: Rule) -> Rule:
     return Rule(wrapped, f"with `backend: vllm`: {rule.doc}")
 
 
-@_custom(
-    "true -> `placement: shared`, false -> `placement: disaggregated` (generation on cores of its own)"
+@custom(
+    "true -> `placement: shared`, false -> `placement: disaggregated` (generation on cores of its "
+    "own)"
 )
 def _colocated(r: Reader, key: str, value: Any) -> None:
     if not isinstance(value, bool):
@@ -302,8 +185,9 @@ def _colocated(r: Reader, key: str, value: Any) -> None:
         r.set("placement", "shared" if value else "disaggregated", key)
 
 
-@_custom(
-    "not colocated: -> `num_generation_workers` (the policy gets the rest of `cluster.gpus_per_node`)"
+@custom(
+    "not colocated: -> `num_generation_workers` (the policy gets the rest of "
+    "`cluster.gpus_per_node`)"
 )
 def _generation_workers(r: Reader, key: str, value: Any) -> None:
     if r.get("policy.generation.colocated.enabled", True) or value is None:
@@ -311,7 +195,7 @@ def _generation_workers(r: Reader, key: str, value: Any) -> None:
     r.set("num_generation_workers", value, key)
 
 
-@_custom(
+@custom(
     "-> `num_policy_workers` (and `num_generation_workers` when colocated): one worker per device"
 )
 def _gpus_per_node(r: Reader, key: str, value: Any) -> None:
@@ -321,16 +205,12 @@ def _gpus_per_node(r: Reader, key: str, value: Any) -> None:
         return
     gen = r.get("policy.generation.colocated.resources.gpus_per_node")
     if not isinstance(gen, int) or not isinstance(value, int) or value <= gen:
-        r.refuse(
-            key,
-            value,
-            "not colocated: must exceed policy.generation.colocated.resources.gpus_per_node (the policy gets the rest)",
-        )
+        r.refuse(key, value, f"must exceed the generation's {gen!r} (the policy gets the rest)")
     else:
         r.set("num_policy_workers", value - gen, key)
 
 
-@_custom("a built-in task name, or `ResponseDataset` with `train_data_path` -> `task`")
+@custom("a built-in task name, or `ResponseDataset` with `train_data_path` -> `task`")
 def _dataset(r: Reader, key: str, value: Any) -> None:
     if value in _builtin_tasks():
         r.set("task", value, key)
@@ -349,14 +229,14 @@ def _dataset(r: Reader, key: str, value: Any) -> None:
         )
 
 
-@_custom("read by `data.dataset_name: ResponseDataset`")
+@custom("read by `data.dataset_name: ResponseDataset`")
 def _with_response_dataset(r: Reader, key: str, value: Any) -> None:
     if r.get("data.dataset_name") != "ResponseDataset":
         r.refuse(key, value, "read only with data.dataset_name: ResponseDataset")
 
 
 def _response_key(expected: str) -> Rule:
-    @_custom(f"{expected!r} only (the field of phalanx's JSONL tasks)")
+    @custom(f"{expected!r} only (the field of phalanx's JSONL tasks)")
     def rule(r: Reader, key: str, value: Any) -> None:
         if value != expected:
             r.refuse(
@@ -366,8 +246,9 @@ def _response_key(expected: str) -> Rule:
     return rule
 
 
-@_custom(
-    "at least `policy.max_total_sequence_length` (no prompt is cut: phalanx requires every prompt + max_new_tokens to fit)"
+@custom(
+    "at least `policy.max_total_sequence_length` (no prompt is cut: phalanx requires every prompt "
+    "+ max_new_tokens to fit)"
 )
 def _max_input(r: Reader, key: str, value: Any) -> None:
     seq = r.get("policy.max_total_sequence_length")
@@ -377,7 +258,7 @@ def _max_input(r: Reader, key: str, value: Any) -> None:
         )
 
 
-@_custom("the file's text -> `system_prompt`")
+@custom("the file's text -> `system_prompt`")
 def _system_prompt_file(r: Reader, key: str, value: Any) -> None:
     if value is None:
         return
@@ -388,35 +269,33 @@ def _system_prompt_file(r: Reader, key: str, value: Any) -> None:
         r.refuse(key, value, f"cannot read it: {e}")
 
 
-@_custom(
-    "-> `run_dir` (the run folder: checkpoints go to its checkpoints/; NeMo-RL resumes from it by itself, phalanx with --resume)"
+@custom(
+    "-> `run_dir` (the run folder: checkpoints go to its checkpoints/; NeMo-RL resumes from it by "
+    "itself, phalanx with --resume)"
 )
 def _checkpoint_dir(r: Reader, key: str, value: Any) -> None:
     r.set("run_dir", value, key)
 
 
-@_custom(
-    "-> `runs_dir` (each run a fresh folder under it); with `checkpointing.checkpoint_dir` set, must equal it"
+@custom(
+    "-> `runs_dir` (each run a fresh folder under it); with `checkpointing.checkpoint_dir` set, "
+    "must equal it"
 )
 def _log_dir(r: Reader, key: str, value: Any) -> None:
     ckpt = r.get("checkpointing.checkpoint_dir")
     if ckpt is None:
         r.set("runs_dir", value, key)
     elif value != ckpt:
-        r.refuse(
-            key,
-            value,
-            "phalanx writes metrics into the run folder, checkpointing.checkpoint_dir; set both to it",
-        )
+        r.refuse(key, value, "phalanx logs into the run folder: checkpointing.checkpoint_dir")
 
 
-@_custom(f"{WANDB_PROJECT!r} only while W&B logging is on (phalanx's project)")
+@custom(f"{WANDB_PROJECT!r} only while W&B logging is on (phalanx's project)")
 def _wandb_project(r: Reader, key: str, value: Any) -> None:
     if r.get("logger.wandb_enabled") and value != WANDB_PROJECT:
         r.refuse(key, value, f"phalanx logs to the W&B project {WANDB_PROJECT!r}")
 
 
-@_custom("-> `name` (the run folder's name is the W&B run's) while W&B logging is on")
+@custom("-> `name` (the run folder's name is the W&B run's) while W&B logging is on")
 def _wandb_name(r: Reader, key: str, value: Any) -> None:
     if not r.get("logger.wandb_enabled"):
         return
@@ -429,14 +308,12 @@ def _wandb_name(r: Reader, key: str, value: Any) -> None:
         )
 
 
-@_custom("true exactly when the tensorboard package is installed (phalanx writes TensorBoard then)")
+@custom("true exactly when the tensorboard package is installed (phalanx writes TensorBoard then)")
 def _tensorboard(r: Reader, key: str, value: Any) -> None:
     installed = find_spec("tensorboard") is not None
     if value is not installed:
         r.refuse(
-            key,
-            value,
-            f"phalanx writes TensorBoard files exactly when the tensorboard package is installed ({'it is' if installed else 'it is not'})",
+            key, value, f"phalanx writes TensorBoard exactly when it is installed: {installed}"
         )
 
 
@@ -445,7 +322,9 @@ ASYNC_FIELDS = {
     "grpo.async_grpo.max_trajectory_age_steps": "max_trajectory_age_steps",
     "grpo.async_grpo.max_generation_failures": "max_generation_failures",
     "grpo.async_grpo.in_flight_weight_updates": "in_flight_weight_updates",
-    "grpo.async_grpo.recompute_kv_cache_after_weight_updates": "recompute_kv_cache_after_weight_updates",
+    "grpo.async_grpo.recompute_kv_cache_after_weight_updates": (
+        "recompute_kv_cache_after_weight_updates"
+    ),
 }
 
 _FSDP2 = "phalanx train grpo shards the policy with FSDP2 only"
@@ -559,8 +438,8 @@ RULES: dict[str, Rule] = {
         "policy.megatron_cfg.enabled", why="phalanx's policy is DTensor (FSDP2), not Megatron"
     ),
     "policy.dynamic_batching.enabled": to("dynamic_batching"),
-    "policy.dynamic_batching.train_mb_tokens": _mb_tokens("policy.train_micro_batch_size", "train"),
-    "policy.dynamic_batching.logprob_mb_tokens": _mb_tokens("policy.logprob_batch_size", "logprob"),
+    "policy.dynamic_batching.train_mb_tokens": _mb_tokens("policy.train_micro_batch_size"),
+    "policy.dynamic_batching.logprob_mb_tokens": _mb_tokens("policy.logprob_batch_size"),
     "policy.dynamic_batching.sequence_length_round": _round,
     "policy.sequence_packing": unused_unless(
         "policy.sequence_packing.enabled",
@@ -641,7 +520,10 @@ RULES: dict[str, Rule] = {
     ),
     "checkpointing.checkpoint_must_save_by": only(
         None,
-        why="phalanx stops on time with phalanx.time_limit_s (after the step that passes it, not before)",
+        why=(
+            "phalanx stops on time with phalanx.time_limit_s (after the step that passes it, not "
+            "before)"
+        ),
     ),
     "checkpointing.model_save_format": only(
         None, why="phalanx checkpoints are torch.distributed.checkpoint shards"
@@ -685,7 +567,8 @@ RULES: dict[str, Rule] = {
     "data.shuffle": only(True, why="phalanx draws each step's problems at random"),
     # env
     "env": refused(
-        "phalanx scores responses with the task's own verifier (or phalanx.reward) in the driver, not with NeMo-RL environments"
+        "phalanx scores responses with the task's own verifier (or phalanx.reward) in the driver, "
+        "not with NeMo-RL environments"
     ),
     # cluster
     "cluster.gpus_per_node": _gpus_per_node,
@@ -707,4 +590,4 @@ SECTION_RULES = {
 }
 
 
-__all__ = ["RULES", "SECTION_RULES", "Reader", "Rule"]
+__all__ = ["RULES", "SECTION_RULES"]

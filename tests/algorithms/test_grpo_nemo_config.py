@@ -177,8 +177,10 @@ def test_every_key_phalanx_cannot_honour_is_named_at_once():
         "policy.generation.vllm_cfg.enforce_eager=True: only false: phalanx train grpo starts "
         "its engines compiled" in text
     )
-    assert "policy.dynamic_batching.train_mb_tokens=4096: phalanx's budget is " in text
-    assert "policy.train_micro_batch_size x max_total_sequence_length = 896" in text
+    assert (
+        "policy.dynamic_batching.train_mb_tokens=4096: phalanx's budget is "
+        "policy.train_micro_batch_size x 112 = 896" in text
+    )
 
 
 def test_nemo_rl_policy_section_of_grpo_math_1B_is_read_key_by_key():

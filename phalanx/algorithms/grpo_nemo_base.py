@@ -1,12 +1,14 @@
 """NeMo-RL's YAML config files loaded as NeMo-RL loads them (OmegaConf with its
 resolvers): ``defaults`` parents merged under a file, ``_override_`` sections, ``${...}``
-interpolations evaluated. The GRPO mapping is :mod:`grpo_nemo_config`."""
+interpolations evaluated; and the kinds of :class:`Rule` that read a loaded file's keys
+(:mod:`grpo_nemo_rules` holds the rule of each GRPO key, :mod:`grpo_nemo_config` the walk)."""
 
 from __future__ import annotations
 
 import os
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import yaml
@@ -170,4 +172,144 @@ def _split_args(args: str) -> list[str]:
     return parts
 
 
-__all__ = ["load_nemo_rl_yaml", "resolve_interpolations"]
+# ----------------------------------------------------------------------------- rules
+class Reader:
+    """Walks a resolved NeMo-RL config; collects the fields it sets and the problems."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.fields: dict[str, Any] = {}
+        self.set_by: dict[str, str] = {}
+        self.problems: list[str] = []
+
+    def get(self, dotted: str, default: Any = None) -> Any:
+        node: Any = self.cfg
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return default
+            node = node[part]
+        return node
+
+    def has(self, dotted: str) -> bool:
+        marker = object()
+        return self.get(dotted, marker) is not marker
+
+    def set(self, field: str, value: Any, key: str) -> None:
+        if field in self.set_by and self.set_by[field] != key:
+            self.refuse(key, value, f"sets {field}, which {self.set_by[field]} sets too")
+            return
+        self.fields[field] = value
+        self.set_by[field] = key
+
+    def refuse(self, key: str, value: Any, why: str) -> None:
+        self.problems.append(f"{key}={value!r}: {why}")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one NeMo-RL key is read (``read(reader, dotted key, value)``) and what the
+    mapping table says about it (``doc``)."""
+
+    read: Callable[[Reader, str, Any], None]
+    doc: str
+
+    def __call__(self, r: Reader, key: str, value: Any) -> None:
+        self.read(r, key, value)
+
+
+def to(field: str, convert: Callable[[Any], Any] | None = None) -> Rule:
+    """The key sets ``field``."""
+
+    def rule(r: Reader, key: str, value: Any) -> None:
+        r.set(field, convert(value) if convert is not None else value, key)
+
+    return Rule(rule, f"`{field}`")
+
+
+def only(*allowed: Any, why: str) -> Rule:
+    """The key is accepted at the ``allowed`` values (what phalanx does), else refused."""
+
+    def rule(r: Reader, key: str, value: Any) -> None:
+        if not any(_same(value, a) for a in allowed):
+            r.refuse(key, value, f"only {' or '.join(map(_yaml, allowed))}: {why}")
+
+    return Rule(rule, f"only {' / '.join(map(_yaml, allowed))}: {why}")
+
+
+def _same(value: Any, allowed: Any) -> bool:
+    """``value == allowed``, an int and a float of one value alike, a bool never a number."""
+
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if number(value) and number(allowed):
+        return bool(value == allowed)
+    return type(value) is type(allowed) and value == allowed
+
+
+def _yaml(value: Any) -> str:
+    """``value`` as a YAML file spells it."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def same_as(other: str, why: str) -> Rule:
+    """The key must hold the value of the key ``other``."""
+
+    def rule(r: Reader, key: str, value: Any) -> None:
+        if value != r.get(other):
+            r.refuse(key, value, f"must equal {other} ({r.get(other)!r}): {why}")
+
+    return Rule(rule, f"must equal `{other}`: {why}")
+
+
+def refused(why: str) -> Rule:
+    """A key refused at any value."""
+
+    def rule(r: Reader, key: str, value: Any) -> None:
+        r.refuse(key, value, why)
+
+    return Rule(rule, f"refused: {why}")
+
+
+def unused(why: str) -> Rule:
+    """A key accepted at any value: what it configures, the run does not have (``why``)."""
+
+    def rule(r: Reader, key: str, value: Any) -> None:
+        return None
+
+    return Rule(rule, f"unused: {why}")
+
+
+def unused_unless(flag: str, why: str) -> Rule:
+    """Keys of a section that the boolean ``flag`` switches off: accepted and unused, as
+    NeMo-RL leaves them; the flag itself at true is refused with ``why``."""
+
+    def rule(r: Reader, key: str, value: Any) -> None:
+        if key == flag and value is not False:
+            r.refuse(key, value, why)
+
+    return Rule(rule, f"unused while `{flag}` is false (true is refused: {why})")
+
+
+def custom(doc: str) -> Callable[[Callable[[Reader, str, Any], None]], Rule]:
+    def wrap(fn: Callable[[Reader, str, Any], None]) -> Rule:
+        return Rule(fn, doc)
+
+    return wrap
+
+
+__all__ = [
+    "Reader",
+    "Rule",
+    "custom",
+    "load_nemo_rl_yaml",
+    "only",
+    "refused",
+    "resolve_interpolations",
+    "same_as",
+    "to",
+    "unused",
+    "unused_unless",
+]
