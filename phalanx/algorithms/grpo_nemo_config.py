@@ -26,7 +26,8 @@ from phalanx.algorithms.grpo_nemo_base import Reader, load_nemo_rl_yaml, resolve
 from phalanx.algorithms.grpo_nemo_rules import PHALANX_SECTION, RULES, SECTION_RULES
 from phalanx.llm.policy_config import ConfigError
 
-SECTIONS = ("grpo", "loss_fn", "policy", "checkpointing", "logger", "data", "env", "cluster")
+SECTIONS = ("grpo", "loss_fn", "policy", "checkpointing", "logger", "data", "env", "cluster",
+            "reward_penalties", "data_plane", "on_policy_distillation")  # fmt: skip
 
 
 def is_nemo_rl_config(loaded: dict[str, Any]) -> bool:
@@ -87,8 +88,6 @@ def nemo_rl_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
                 f"not a NeMo-RL GRPO section phalanx knows "
                 f"({', '.join(SECTIONS)}, {PHALANX_SECTION})",
             )
-        elif not isinstance(value, dict):
-            r.refuse(str(top), value, "must be a mapping")
         else:
             _read(r, {top: value}, "")
     _check_generation(r)

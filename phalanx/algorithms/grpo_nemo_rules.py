@@ -36,8 +36,8 @@ def _builtin_tasks() -> tuple[str, ...]:
 def _task_is_jsonl(r: Reader) -> bool:
     """Whether the run's task is a JSONL file (``data.dataset_name: ResponseDataset``, or
     without a dataset the phalanx section's ``task``)."""
-    if r.has("data.dataset_name"):
-        return r.get("data.dataset_name") == "ResponseDataset"
+    if _dataset_name(r) is not None:
+        return _dataset_name(r) == "ResponseDataset"
     return str(r.get(f"{PHALANX_SECTION}.task", "")).endswith(".jsonl")
 
 
@@ -210,14 +210,28 @@ def _gpus_per_node(r: Reader, key: str, value: Any) -> None:
         r.set("num_policy_workers", value - gen, key)
 
 
-@custom("a built-in task name, or `ResponseDataset` with `train_data_path` -> `task`")
+def _dataset_name(r: Reader) -> Any:
+    """``data.dataset_name`` (NeMo-RL's earlier layout) or ``data.train.dataset_name``."""
+    return r.get("data.train.dataset_name", r.get("data.dataset_name"))
+
+
+def _data_path_key(key: str) -> str:
+    """The JSONL path's key beside the dataset name ``key`` in either layout."""
+    return "data.train_data_path" if key == "data.dataset_name" else "data.train.data_path"
+
+
+@custom(
+    "a built-in task name, or `ResponseDataset` with `train_data_path` (`data.train.data_path`) "
+    "-> `task`"
+)
 def _dataset(r: Reader, key: str, value: Any) -> None:
     if value in _builtin_tasks():
         r.set("task", value, key)
     elif value == "ResponseDataset":
-        path = r.get("data.train_data_path")
+        path_key = _data_path_key(key)
+        path = r.get(path_key)
         if not isinstance(path, str) or not path.endswith(".jsonl"):
-            r.refuse("data.train_data_path", path, "ResponseDataset needs a local JSONL file here")
+            r.refuse(path_key, path, "ResponseDataset needs a local JSONL file here")
         else:
             r.set("task", path, key)
     else:
@@ -225,14 +239,26 @@ def _dataset(r: Reader, key: str, value: Any) -> None:
             key,
             value,
             f"phalanx trains on its built-in tasks ({', '.join(_builtin_tasks())}) or a JSONL "
-            "file (dataset_name: ResponseDataset, train_data_path); it downloads no datasets",
+            "file (dataset_name: ResponseDataset and its path); it downloads no datasets",
         )
 
 
-@custom("read by `data.dataset_name: ResponseDataset`")
+@custom("read by `dataset_name: ResponseDataset`")
 def _with_response_dataset(r: Reader, key: str, value: Any) -> None:
-    if r.get("data.dataset_name") != "ResponseDataset":
-        r.refuse(key, value, "read only with data.dataset_name: ResponseDataset")
+    if _dataset_name(r) != "ResponseDataset":
+        r.refuse(key, value, "read only with dataset_name: ResponseDataset")
+
+
+@custom(
+    "false; true only when a step trains once on its whole batch (phalanx then takes the "
+    "training forward's own log-probs as the old ones: ratio 1)"
+)
+def _force_on_policy(r: Reader, key: str, value: Any) -> None:
+    batch = r.get("grpo.num_prompts_per_step", 8) * r.get("grpo.num_generations_per_prompt", 8)
+    if value is True and r.get("policy.train_global_batch_size", batch) == batch:
+        return
+    if value is not False:
+        r.refuse(key, value, "phalanx's ratio is 1 only when a step trains once on its batch")
 
 
 def _response_key(expected: str) -> Rule:
@@ -384,6 +410,33 @@ RULES: dict[str, Rule] = {
     "grpo.val_batch_size": _val_batch_size,
     "grpo.seed": to("seed"),
     "grpo.skip_reference_policy_logprobs_calculation": _skip_reference,
+    "grpo.val_start_at": only(-1, why="phalanx evaluates every val_period steps from the start"),
+    "grpo.advantage_clip_low": only(None, why="phalanx does not clip advantages"),
+    "grpo.advantage_clip_high": only(None, why="phalanx does not clip advantages"),
+    "grpo.val_num_generations_per_prompt": only(1, why="phalanx decodes each held-out one once"),
+    "grpo.stop_at_validation_metric": only(None, why="phalanx stops on steps or time"),
+    "grpo.stop_at_validation_threshold": only(None, why="phalanx stops on steps or time"),
+    "grpo.use_dynamic_sampling": only(False, why="phalanx trains on every group it samples"),
+    "grpo.dynamic_sampling_max_gen_batches": unused("read with dynamic sampling, which is off"),
+    "grpo.batch_multiplier": only(1, why="phalanx generates exactly one step's prompts"),
+    "grpo.reward_shaping": unused_unless(
+        "grpo.reward_shaping.enabled", why="phalanx does not shape rewards by length"
+    ),
+    "grpo.reward_scaling": unused_unless(
+        "grpo.reward_scaling.enabled", why="phalanx does not rescale rewards"
+    ),
+    "grpo.adv_estimator.name": only("grpo", why="phalanx's advantage is GRPO's"),
+    "grpo.adv_estimator.normalize_rewards": only(True, why="as grpo.normalize_rewards"),
+    "grpo.adv_estimator.use_leave_one_out_baseline": only(
+        False, why="as grpo.use_leave_one_out_baseline"
+    ),
+    "grpo.adv_estimator.minus_baseline": only(True, why="phalanx subtracts the group mean"),
+    "grpo.seq_logprob_error_threshold": only(
+        None, why="phalanx logs train/gen_logprob_error and drops no sequence on it"
+    ),
+    "grpo.invalid_tool_call_advantage": only(None, why="phalanx's tasks call no tools"),
+    "grpo.malformed_thinking_advantage": only(None, why="phalanx's tasks have no thinking format"),
+    "reward_penalties": only(False, None, why="phalanx's rewards carry no penalties"),
     **{key: to(field) for key, field in ASYNC_FIELDS.items()},
     # loss_fn
     "loss_fn.reference_policy_kl_penalty": to("kl_beta"),
@@ -402,6 +455,13 @@ RULES: dict[str, Rule] = {
     ),
     "loss_fn.sequence_level_importance_ratios": only(False, why="phalanx's ratios are per token"),
     "loss_fn.token_level_loss": only(True, why="phalanx's loss is a mean over the batch's tokens"),
+    "loss_fn.truncated_importance_sampling_type": only(None, why="no truncated weights"),
+    "loss_fn.truncated_importance_sampling_ratio_min": only(None, why="no truncated weights"),
+    "loss_fn.force_on_policy_ratio": _force_on_policy,
+    "loss_fn.use_kl_in_reward": only(False, why="phalanx adds the KL penalty to the loss"),
+    "loss_fn.use_cispo": only(False, why="phalanx's loss is the clipped policy gradient"),
+    "loss_fn.disable_ppo_ratio": only(False, why="phalanx's loss is the clipped policy gradient"),
+    "loss_fn.positive_example_nll_weight": only(0, why="phalanx adds no NLL term"),
     # policy
     "policy.model_name": to("model"),
     "policy.tokenizer.name": same_as("policy.model_name", "phalanx uses the model's own tokenizer"),
@@ -528,6 +588,7 @@ RULES: dict[str, Rule] = {
     "checkpointing.model_save_format": only(
         None, why="phalanx checkpoints are torch.distributed.checkpoint shards"
     ),
+    "checkpointing.save_optimizer": only(True, why="phalanx's checkpoints keep the optimizer"),
     "checkpointing.save_consolidated": only(
         False, why="phalanx checkpoints are torch.distributed.checkpoint shards"
     ),
@@ -537,6 +598,7 @@ RULES: dict[str, Rule] = {
     "logger.wandb_enabled": to("wandb"),
     "logger.wandb.project": _wandb_project,
     "logger.wandb.name": _wandb_name,
+    "logger.wandb.log_nemo_gym_full_result_tables": only(False, why="phalanx runs no NeMo-Gym"),
     "logger.tensorboard_enabled": _tensorboard,
     "logger.tensorboard": only({}, why="phalanx's TensorBoard writer takes no options"),
     "logger.mlflow_enabled": only(False, why="phalanx does not log to MLflow"),
@@ -553,6 +615,21 @@ RULES: dict[str, Rule] = {
     ),
     # data
     "data.dataset_name": _dataset,
+    "data.train.dataset_name": _dataset,
+    "data.train.data_path": _with_response_dataset,
+    "data.train.input_key": _response_key("prompt"),
+    "data.train.output_key": _response_key("answer"),
+    "data.train.split_validation_size": only(
+        None, why="phalanx holds out grpo.max_val_samples problems of the task"
+    ),
+    "data.train.seed": same_as("grpo.seed", "phalanx seeds the task with the run's seed"),
+    "data.validation": only(None, why="phalanx holds out grpo.max_val_samples problems"),
+    "data.num_workers": unused("dataloader processes; phalanx draws problems in the driver"),
+    "data.use_multiple_dataloader": only(False, why="phalanx trains on one task"),
+    "data.default.prompt_file": only(None, why="phalanx's prompt is the problem, chat-templated"),
+    "data.default.system_prompt_file": _system_prompt_file,
+    "data.default.processor": only(None, why="phalanx formats problems with the chat template"),
+    "data.default.env_name": only(None, why="phalanx scores with the task's own verifier"),
     "data.train_data_path": _with_response_dataset,
     "data.input_key": _response_key("prompt"),
     "data.output_key": _response_key("answer"),
@@ -573,11 +650,20 @@ RULES: dict[str, Rule] = {
     # cluster
     "cluster.gpus_per_node": _gpus_per_node,
     "cluster.num_nodes": only(1, why="phalanx train grpo runs on one node"),
+    "cluster.master_port_range_low": unused("phalanx's workers pick free ports themselves"),
+    "cluster.master_port_range_high": unused("phalanx's workers pick free ports themselves"),
+    "cluster.segment_size": only(None, why="phalanx train grpo runs on one node"),
+    "data_plane": unused_unless("data_plane.enabled", why="phalanx moves batches through Ray"),
+    "on_policy_distillation": only(None, why="phalanx train grpo does not distil"),
 }
 
 
 # Sections one rule reads leaf by leaf: those a flag of the file switches on or off.
 SECTION_RULES = {
+    "grpo.reward_shaping",
+    "grpo.reward_scaling",
+    "reward_penalties",
+    "data_plane",
     "policy.draft",
     "policy.generation.refit_cfg",
     "policy.generation.mcore_generation_config",

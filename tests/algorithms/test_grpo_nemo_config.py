@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -275,3 +276,112 @@ def test_docs_compat_holds_the_mapping_table():
     doc = (ROOT / "docs" / "compat.md").read_text()
     assert mapping_table() in doc
     assert len(RULES) == mapping_table().count("\n| `")
+
+
+# The sections besides `policy` of NeMo-RL's grpo_math_1B.yaml at the commit
+# tests/llm/data/nemo_rl_grpo_math_1B_policy.yaml is pinned to, key for key.
+MATH_1B_REST = {
+    "grpo": {
+        "num_prompts_per_step": 32, "num_generations_per_prompt": 16, "max_rollout_turns": 1,
+        "max_num_epochs": 1, "max_num_steps": 1000000, "normalize_rewards": True,
+        "use_leave_one_out_baseline": True, "val_period": 10, "val_start_at": -1,
+        "val_at_start": False, "val_at_end": False, "overlong_filtering": False,
+        "advantage_clip_low": None, "advantage_clip_high": None, "max_val_samples": 256,
+        "val_num_generations_per_prompt": 1, "stop_at_validation_metric": None,
+        "stop_at_validation_threshold": None, "val_batch_size": 256, "seed": 42,
+        "use_dynamic_sampling": False, "dynamic_sampling_max_gen_batches": 10,
+        "batch_multiplier": 1,
+        "reward_shaping": {"enabled": False, "overlong_buffer_length": 128,
+                           "overlong_buffer_penalty": 1,
+                           "max_response_length": "${policy.max_total_sequence_length}",
+                           "stop_properly_penalty_coef": None},
+        "adv_estimator": {"name": "grpo", "normalize_rewards": "${grpo.normalize_rewards}",
+                          "use_leave_one_out_baseline": "${grpo.use_leave_one_out_baseline}",
+                          "minus_baseline": True},
+        "reward_scaling": {"enabled": False, "source_min": 0.0, "source_max": 1.0,
+                           "target_min": 0.0, "target_max": 1.0},
+        "seq_logprob_error_threshold": None, "invalid_tool_call_advantage": None,
+        "malformed_thinking_advantage": None,
+        "async_grpo": {"enabled": False, "max_trajectory_age_steps": 1,
+                       "max_generation_failures": 0, "in_flight_weight_updates": False,
+                       "recompute_kv_cache_after_weight_updates": False},
+    },
+    "reward_penalties": {"penalize_duplicated_reasoning": False,
+                         "penalize_empty_final_answer": False, "penalize_unwanted_tokens": False,
+                         "penalize_malformed_think_tag": False, "token_ids": None},
+    "loss_fn": {
+        "reference_policy_kl_penalty": 0.01, "reference_policy_kl_type": "k3",
+        "kl_input_clamp_value": 20.0, "kl_output_clamp_value": 10.0, "ratio_clip_min": 0.2,
+        "ratio_clip_max": 0.2, "ratio_clip_c": None, "use_on_policy_kl_approximation": False,
+        "use_importance_sampling_correction": False, "truncated_importance_sampling_type": None,
+        "truncated_importance_sampling_ratio": None,
+        "truncated_importance_sampling_ratio_min": None,
+        "sequence_level_importance_ratios": False, "token_level_loss": True,
+        "force_on_policy_ratio": False, "use_kl_in_reward": False, "use_cispo": False,
+        "disable_ppo_ratio": False, "positive_example_nll_weight": 0.0,
+    },
+    "checkpointing": {
+        "enabled": True, "checkpoint_dir": "results/grpo", "metric_name": "val:accuracy",
+        "higher_is_better": True, "keep_top_k": 3, "save_period": 10,
+        "checkpoint_must_save_by": None, "model_save_format": "safetensors",
+        "save_consolidated": False, "save_optimizer": True,
+    },
+    "data": {
+        "max_input_seq_length": "${policy.max_total_sequence_length}", "shuffle": True,
+        "num_workers": 1, "use_multiple_dataloader": False,
+        "train": {"dataset_name": "OpenMathInstruct-2", "split_validation_size": 0.05,
+                  "seed": "${grpo.seed}"},
+        "validation": None,
+        "default": {"prompt_file": "examples/prompts/cot.txt", "system_prompt_file": None,
+                    "processor": "math_hf_data_processor", "env_name": "math"},
+    },
+    "env": {"math": {"num_workers": 8, "math_verify_impl": "hf_math_verify"}},
+    "logger": {
+        "log_dir": "logs", "num_val_samples_to_print": 0, "wandb_enabled": False,
+        "tensorboard_enabled": False, "mlflow_enabled": False, "swanlab_enabled": False,
+        "monitor_gpus": True,
+        "wandb": {"project": "grpo-dev", "name": "grpo-dev-logger",
+                  "log_nemo_gym_full_result_tables": False},
+        "swanlab": {"project": "grpo-dev", "name": "grpo-dev-logger"},
+        "tensorboard": {},
+        "mlflow": {"experiment_name": "grpo-dev", "run_name": "grpo-dev-logger",
+                   "tracking_uri": "http://localhost:5000"},
+        "gpu_monitoring": {"collection_interval": 10, "flush_interval": 10},
+    },
+    "cluster": {"gpus_per_node": 1, "num_nodes": 1, "master_port_range_low": 1400,
+                "master_port_range_high": 1999, "segment_size": None},
+    "data_plane": {"enabled": False, "impl": "transfer_queue", "backend": "simple",
+                   "storage_capacity": 1000000, "num_storage_units": 2,
+                   "claim_meta_poll_interval_s": 0.5, "global_segment_size": 549755813888,
+                   "local_buffer_size": 68719476736},
+    "on_policy_distillation": None,
+}  # fmt: skip
+
+
+def test_nemo_rl_grpo_math_1B_is_refused_exactly_where_phalanx_differs():
+    """The whole of NeMo-RL's grpo_math_1B.yaml (its policy section from tests/llm/data):
+    each refusal is a real difference (its leave-one-out baseline, no evaluation at the
+    end, KL clamps, top-3
+    checkpoints in safetensors, a downloaded dataset with a CoT prompt file, the math
+    environment, the GPU monitor), nothing else."""
+    cfg = {**MATH_1B_REST, "policy": load_nemo_rl_yaml(str(POLICY_1B))["policy"]}
+    problems = _problems(resolve_interpolations(cfg))
+    assert [p for p in problems if not p.startswith("policy.")] == [
+        "grpo.use_leave_one_out_baseline",
+        "grpo.val_at_end",
+        "grpo.adv_estimator.use_leave_one_out_baseline",
+        "loss_fn.kl_input_clamp_value",
+        "loss_fn.kl_output_clamp_value",
+        "checkpointing.keep_top_k",
+        "checkpointing.model_save_format",
+        "data.train.dataset_name",
+        "data.train.split_validation_size",
+        "data.default.prompt_file",
+        "data.default.processor",
+        "data.default.env_name",
+        "env.math.num_workers",
+        "env.math.math_verify_impl",
+        "logger.log_dir",
+        *(["logger.tensorboard_enabled"] if find_spec("tensorboard") else []),
+        "logger.monitor_gpus",
+    ]
