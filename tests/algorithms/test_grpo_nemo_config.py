@@ -6,7 +6,6 @@ and ``docs/compat.md`` holds the mapping table. No Ray is started."""
 
 from __future__ import annotations
 
-import os
 import textwrap
 from importlib.util import find_spec
 from pathlib import Path
@@ -262,14 +261,15 @@ def test_a_field_set_twice_and_tied_keys_are_refused(tmp_path):
 
 @pytest.mark.smoke
 def test_cli_exits_1_naming_the_dotted_key(tmp_path, capsys):
+    run_dir = tmp_path / "run"
     text = EXAMPLE.read_text().replace("enforce_eager: false", "enforce_eager: true")
+    text = text.replace('"runs/nemo-rl-grpo-smollm2"', f'"{run_dir}"')
     run = _write(tmp_path, "run.yaml", text)
-    runs = tmp_path / "runs"
-    assert main(["train", "grpo", "--config", run, "--runs-dir", str(runs)]) == 1
+    assert main(["train", "grpo", "--config", run]) == 1
     err = capsys.readouterr().err
     assert f"--config {run}: 1 NeMo-RL key(s) phalanx cannot honour" in err
     assert "policy.generation.vllm_cfg.enforce_eager=True: only false" in err
-    assert not runs.exists() and not os.path.exists("runs/nemo-rl-grpo-smollm2")
+    assert not run_dir.exists()  # nothing started
 
 
 def test_docs_compat_holds_the_mapping_table():
