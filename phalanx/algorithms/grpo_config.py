@@ -219,7 +219,7 @@ class GRPOConfig:
 
         if not grpo_nemo_config.is_nemo_rl_config(loaded):
             return None
-        return grpo_nemo_config.read_nemo_rl_config(path)
+        return grpo_nemo_config.read_nemo_rl_config(path, cls)
 
     def lora_cfg(self) -> dict[str, Any]:
         """NeMo-RL's ``policy.dtensor_cfg.lora_cfg`` for these options."""

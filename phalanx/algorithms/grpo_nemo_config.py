@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from phalanx.algorithms._harness import check_keys
 from phalanx.algorithms.grpo_nemo_base import Reader, load_nemo_rl_yaml, resolve_interpolations
 from phalanx.algorithms.grpo_nemo_rules import PHALANX_SECTION, RULES, SECTION_RULES
 from phalanx.llm.policy_config import ConfigError
@@ -74,9 +75,12 @@ def _check_generation(r: Reader) -> None:
         r.problems.append(f"policy.{e}")
 
 
-def nemo_rl_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+def nemo_rl_fields(
+    cfg: dict[str, Any], source: str, config_cls: type | None = None
+) -> dict[str, Any]:
     """The ``GRPOConfig`` fields a resolved NeMo-RL config sets; ``ConfigError`` listing
-    every key phalanx cannot honour."""
+    every key phalanx cannot honour. With ``config_cls`` the ``phalanx:`` section's keys
+    may be flag spellings too (``async``, ``lr``), read as their fields."""
     r = Reader(cfg)
     for top, value in cfg.items():
         if top == PHALANX_SECTION:
@@ -95,9 +99,11 @@ def nemo_rl_fields(cfg: dict[str, Any], source: str) -> dict[str, Any]:
     if not isinstance(own, dict):
         r.refuse(PHALANX_SECTION, own, "must be a mapping of GRPOConfig fields")
         own = {}
+    if config_cls is not None:
+        own = check_keys(own, config_cls, f"{source}: {PHALANX_SECTION}", aliases=True)
     for key, value in own.items():
         if key in r.set_by:
-            r.refuse(f"{PHALANX_SECTION}.{key}", value, f"{r.set_by[key].strip()} sets it too")
+            r.refuse(f"{PHALANX_SECTION}.{key}", value, f"{r.set_by[key]} sets {key} too")
         else:
             r.fields[key] = value
     if r.problems:
@@ -120,7 +126,7 @@ def mapping_table() -> str:
     return "\n".join(rows)
 
 
-def read_nemo_rl_config(path: str) -> dict[str, Any]:
+def read_nemo_rl_config(path: str, config_cls: type | None = None) -> dict[str, Any]:
     """The ``GRPOConfig`` fields of the NeMo-RL config file at ``path``."""
     cfg = resolve_interpolations(load_nemo_rl_yaml(path))
-    return nemo_rl_fields(cfg, f"--config {path}")
+    return nemo_rl_fields(cfg, f"--config {path}", config_cls)

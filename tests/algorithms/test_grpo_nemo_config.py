@@ -237,8 +237,15 @@ def test_colocation_and_cluster_size_set_the_workers_and_placement():
 
 
 def test_a_field_set_twice_and_tied_keys_are_refused(tmp_path):
-    cfg = {"grpo": {"max_num_steps": 5}, "phalanx": {"steps": 6, "eval_every": 0}}
+    cfg = {"grpo": {"max_num_steps": 5, "async_grpo": {"enabled": False}},
+           "phalanx": {"steps": 6, "eval_every": 0}}  # fmt: skip
     assert _problems(cfg) == ["phalanx.steps"]
+    cfg["phalanx"] = {"async": True, "lr": 0.1}  # flag spellings: async_grpo, lr
+    with pytest.raises(ConfigError) as info:
+        nemo_rl_fields(cfg, "t", GRPOConfig)
+    assert "phalanx.async_grpo=True: grpo.async_grpo.enabled sets async_grpo too" in str(info.value)
+    cfg["phalanx"] = {"lr": 0.1}
+    assert nemo_rl_fields(cfg, "t", GRPOConfig) == {"steps": 5, "async_grpo": False, "lr": 0.1}
     assert nemo_rl_fields({"grpo": {"val_period": 0, "val_at_end": False}}, "t") == {
         "eval_every": 0
     }
