@@ -410,7 +410,7 @@ RULES: dict[str, Rule] = {
     "grpo.val_batch_size": _val_batch_size,
     "grpo.seed": to("seed"),
     "grpo.skip_reference_policy_logprobs_calculation": _skip_reference,
-    "grpo.val_start_at": only(-1, why="phalanx evaluates every val_period steps from the start"),
+    "grpo.val_start_at": only(-1, 0, 1, why="phalanx evaluates every val_period steps from step 1"),
     "grpo.advantage_clip_low": only(None, why="phalanx does not clip advantages"),
     "grpo.advantage_clip_high": only(None, why="phalanx does not clip advantages"),
     "grpo.val_num_generations_per_prompt": only(1, why="phalanx decodes each held-out one once"),
