@@ -394,10 +394,7 @@ RULES: dict[str, Rule] = {
     "grpo.max_num_epochs": _max_num_epochs,
     "grpo.max_rollout_turns": only(1, why="phalanx's GRPO is single-turn"),
     "grpo.normalize_rewards": only(
-        True,
-        why="phalanx always divides advantages by their group's std (its sample std where "
-        "NeMo-RL takes the population std: phalanx's advantages are NeMo-RL's times "
-        "sqrt((n-1)/n) for groups of n)",
+        True, why="phalanx always divides by the group's sample std + 1e-6, as NeMo-RL does"
     ),
     "grpo.use_leave_one_out_baseline": only(
         False, why="phalanx's baseline is the mean of the whole group"
