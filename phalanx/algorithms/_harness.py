@@ -171,7 +171,12 @@ def check_keys(
 
 
 def read_config_file(path: str, config_cls: type) -> dict[str, Any]:
-    """The fields a ``--config`` YAML file sets (``ValueError`` naming the file or key)."""
+    """The fields a ``--config`` YAML file sets (``ValueError`` naming the file or key).
+
+    A flat mapping of fields (or their flag names); or another system's form where the
+    config class reads one: ``config_cls.config_file_fields(path, mapping)`` returns the
+    fields of such a file, or None for a flat one.
+    """
     import yaml
 
     try:
@@ -181,6 +186,10 @@ def read_config_file(path: str, config_cls: type) -> dict[str, Any]:
         raise ValueError(f"--config: cannot read {path}: {e}") from None
     if not isinstance(loaded, dict):
         raise ValueError(f"--config: {path} must hold a mapping of {config_cls.__name__} fields")
+    other_form = getattr(config_cls, "config_file_fields", None)
+    fields = other_form(path, loaded) if other_form is not None else None
+    if fields is not None:
+        return check_keys(fields, config_cls, f"--config {path}")
     return check_keys(loaded, config_cls, f"--config {path}", aliases=True)
 
 

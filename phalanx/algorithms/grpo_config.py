@@ -211,6 +211,16 @@ class GRPOConfig:
         base.update(overrides)
         return cls(**base)
 
+    @classmethod
+    def config_file_fields(cls, path: str, loaded: dict[str, Any]) -> dict[str, Any] | None:
+        """The fields of a ``--config`` file in NeMo-RL's nested GRPO form (``grpo:``,
+        ``policy:``, ``loss_fn:`` ...; :mod:`grpo_nemo_config`), or None for a flat one."""
+        from phalanx.algorithms import grpo_nemo_config
+
+        if not grpo_nemo_config.is_nemo_rl_config(loaded):
+            return None
+        return grpo_nemo_config.read_nemo_rl_config(path, cls)
+
     def lora_cfg(self) -> dict[str, Any]:
         """NeMo-RL's ``policy.dtensor_cfg.lora_cfg`` for these options."""
         if not self.lora_rank:

@@ -5,7 +5,9 @@ and the refit into its engine-core process by shared-memory reference.
 which vLLM spawns (inside a Ray actor it always spawns), and talks to it over ZeroMQ. The
 worker drives it from an event loop on a thread of its own (``AsyncEngine``), so its
 methods stay the blocking ones the training loops call; a batch's requests are all
-submitted at once and the engine batches them continuously.
+submitted at once and the engine batches them continuously. The engine's scheduler reports
+how many requests it runs after each step (``AsyncEngine.max_running``: the most during the
+last ``generate``), and ``pin_process_tree`` moves the engine core onto given cores.
 
 Weights reach the engine-core process by reference, not through vLLM's message queue:
 every staged tensor lives in a shared-memory segment of this node (``SharedStaging``), and
@@ -34,6 +36,9 @@ ENGINE_START_TIMEOUT_S = 900.0  # the engine core compiles its graphs as it star
 class AsyncEngine:
     """An ``AsyncLLM`` on an event loop of its own thread, with blocking methods.
 
+    ``max_running`` is the most requests the engine's scheduler ran at once during the
+    last ``generate`` (its count after each step).
+
     Args:
         kwargs: ``AsyncEngineArgs`` fields (what ``vllm_config.engine_kwargs`` returns).
     """
@@ -45,6 +50,8 @@ class AsyncEngine:
         )
         self._thread.start()
         self._ids = itertools.count()
+        self._running_peak = 0
+        self.max_running = 0
         try:
             # Built on the loop, so its output handler runs there.
             self.engine = self.run(self._start(kwargs), ENGINE_START_TIMEOUT_S)
@@ -53,12 +60,35 @@ class AsyncEngine:
             raise
         self.max_model_len = int(self.engine.model_config.max_model_len)
 
-    @staticmethod
-    async def _start(kwargs: dict[str, Any]) -> Any:
+    async def _start(self, kwargs: dict[str, Any]) -> Any:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.loggers import StatLoggerBase
 
-        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+        engine = self
+
+        class RunningRequests(StatLoggerBase):
+            """Keeps the peak of the scheduler's running-request count (on the loop)."""
+
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats: Any, iteration_stats: Any, *_: Any, **__: Any):
+                if scheduler_stats is not None:
+                    running = int(scheduler_stats.num_running_reqs)
+                    engine._running_peak = max(engine._running_peak, running)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        # A custom stat logger makes the engine core report its scheduler's counts; with
+        # disable_log_stats vLLM adds no periodic log lines of its own.
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=[RunningRequests])
+
+    @property
+    def thread_id(self) -> int:
+        """The native id of the thread that runs the engine's event loop."""
+        return int(self._thread.native_id or 0)
 
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
         """Run ``coro`` on the engine's loop and wait for its result."""
@@ -78,13 +108,15 @@ class AsyncEngine:
         return [f"px-{os.getpid()}-{batch}-{i}" for i in range(n)]
 
     def generate(self, prompts: list[dict[str, Any]], params: Any) -> list[Any]:
-        """The final output of every prompt, in order; all submitted at once."""
+        """The final output of every prompt, in order; all submitted at once
+        (``max_running`` is then the most the scheduler ran together)."""
         ids = self._request_ids(len(prompts))
 
         async def all_of() -> list[Any]:
-            return list(
-                await asyncio.gather(*(self._one(p, params, r) for p, r in zip(prompts, ids)))
-            )
+            self._running_peak = 0
+            outs = await asyncio.gather(*(self._one(p, params, r) for p, r in zip(prompts, ids)))
+            self.max_running = self._running_peak
+            return list(outs)
 
         return self.run(all_of())
 
@@ -142,6 +174,53 @@ class AsyncEngine:
         self._thread.join(30)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+def pin_process_tree(pid: int, cpus: set[int]) -> list[int]:
+    """Run every thread of process ``pid``, and of the processes it started, only on
+    ``cpus`` (Linux affinity); the pids pinned. A thread started meanwhile inherits its
+    starter's affinity, so a process's threads are listed again until none is new."""
+    pinned: list[int] = []
+    todo = [pid]
+    while todo:
+        proc = todo.pop()
+        seen: set[str] = set()
+        while new := _threads(proc) - seen:
+            for tid in new:
+                try:
+                    os.sched_setaffinity(int(tid), cpus)
+                except ProcessLookupError:
+                    continue  # the thread ended
+            seen |= new
+        if seen:
+            pinned.append(proc)
+            todo.extend(_children(proc))
+    return pinned
+
+
+def _threads(pid: int) -> set[str]:
+    """The thread ids of process ``pid`` (none once it ended)."""
+    try:
+        return set(os.listdir(f"/proc/{pid}/task"))
+    except FileNotFoundError:
+        return set()
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from each process's ``/proc`` stat line)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # it ended
+        # after the command name, which may hold spaces and parentheses: state, ppid, ...
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(entry))
+    return out
 
 
 Entry = tuple[str, str, int, str, list[int]]  # name, segment path, offset, dtype, shape
@@ -236,4 +315,4 @@ def _locate(t: torch.Tensor, segments: list[Segment]) -> tuple[str, int] | None:
     return None
 
 
-__all__ = ["AsyncEngine", "SharedStaging"]
+__all__ = ["AsyncEngine", "SharedStaging", "pin_process_tree"]

@@ -8,7 +8,10 @@ padding; log-probs of the sampled tokens under the unprocessed logits by default
 The engine is ``vllm.LLM`` inside the worker's process, or with ``vllm_cfg.async_engine``
 vLLM's asynchronous engine, whose engine core runs in a process of its own
 (``phalanx.llm.vllm_async``): a batch's requests are submitted at once and batched
-continuously, and ``generate_async`` (NeMo-RL's) yields each row as it finishes.
+continuously, and ``generate_async`` (NeMo-RL's) yields each row as it finishes. That
+engine core runs on the worker's cores: a worker pinned after its engine started (the
+disaggregated placement pins its workers once they are up) moves the engine core, its
+threads and the event loop's thread onto its cores at its next ``generate``.
 
 Refit: the worker receives weights exactly as ``HFGenerationWorker`` does
 (``GenerationWorker``'s refit methods, and the weight sender's transports), into a staging
@@ -34,7 +37,7 @@ import torch
 from phalanx.data import BatchedDataDict
 from phalanx.llm.generation import GenerationWorker, assemble_output, check_prompts
 from phalanx.llm.policy_config import PRECISIONS
-from phalanx.llm.vllm_async import AsyncEngine, SharedStaging
+from phalanx.llm.vllm_async import AsyncEngine, SharedStaging, pin_process_tree
 from phalanx.llm.vllm_config import (
     INSTALL_HINT,
     check_vllm_generation_config,
@@ -104,6 +107,7 @@ class VllmGenerationWorker(GenerationWorker):
             self.max_positions = self.llm.max_model_len
             # the engine-core processes, set to end with this one
             self.engine_pids = self.llm.collective_rpc("phalanx_exit_with_parent")
+            self.engine_cpus = os.sched_getaffinity(0)  # what the engine core inherited
         else:
             self.llm = vllm.LLM(**kwargs)
             self.max_positions = int(self.llm.llm_engine.model_config.max_model_len)
@@ -186,6 +190,7 @@ class VllmGenerationWorker(GenerationWorker):
         max_new = int(self.cfg.get("max_new_tokens", 16))
         ids, lengths = check_prompts(data, max_new, self.max_positions)
         self.check_weights_version(weights_version)
+        self._engine_follows_cores()
         self._load_engine()
         prompts = self._prompts(ids, lengths)
         params = self._params(max_new, greedy)
@@ -225,6 +230,7 @@ class VllmGenerationWorker(GenerationWorker):
         max_new = int(self.cfg.get("max_new_tokens", 16))
         ids, lengths = check_prompts(data, max_new, self.max_positions)
         self.check_weights_version(weights_version)
+        self._engine_follows_cores()
         self._load_engine()
         pad = self.tokenizer.pad_token_id
         params = self._params(max_new, greedy)
@@ -242,6 +248,29 @@ class VllmGenerationWorker(GenerationWorker):
                     pad,
                 ),
             )
+
+    def _engine_follows_cores(self) -> None:
+        """Pin the asynchronous engine (its engine-core processes and its event loop's
+        thread) to the cores of the calling thread when they changed since it started."""
+        if not self.async_engine:
+            return
+        cpus = os.sched_getaffinity(0)
+        if cpus == self.engine_cpus:
+            return
+        os.sched_setaffinity(self.llm.thread_id, cpus)
+        for pid in self.engine_pids:
+            pin_process_tree(pid, cpus)
+        self.engine_cpus = cpus
+
+    def max_running_requests(self) -> int:
+        """The most requests the asynchronous engine's scheduler ran at once during the
+        last ``generate`` (1 would mean its rows ran one after another)."""
+        if not self.async_engine:
+            raise RuntimeError(
+                "max_running_requests needs generation.vllm_cfg.async_engine=true (the "
+                "synchronous engine does not report its scheduler's counts here)"
+            )
+        return int(self.llm.max_running)
 
     @staticmethod
     def _prompts(ids: torch.Tensor, lengths: torch.Tensor) -> list[dict[str, Any]]:

