@@ -6,25 +6,15 @@ interpolations evaluated; and the kinds of :class:`Rule` that read a loaded file
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from phalanx.llm.policy_config import ConfigError
-
-
-class _Loader(yaml.SafeLoader):
-    """YAML as OmegaConf reads it: ``1e-8`` is a float (PyYAML's YAML 1.1 wants ``1.0e-8``)."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\d[\d_]*)?\.?\d*(?:[eE][-+]?\d+)$|^[-+]?\d[\d_]*\.\d*$"),
-    list("-+0123456789."),
-)
 
 
 def load_nemo_rl_yaml(path: str) -> dict[str, Any]:
@@ -32,9 +22,8 @@ def load_nemo_rl_yaml(path: str) -> dict[str, Any]:
     file; a section marked ``_override_: true`` replaces the parent's instead of merging),
     interpolations not yet evaluated."""
     try:
-        with open(path, encoding="utf-8") as f:
-            loaded = yaml.load(f, Loader=_Loader) or {}
-    except (OSError, yaml.YAMLError) as e:
+        loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except (OSError, OmegaConfBaseException, yaml.YAMLError) as e:
         raise ConfigError(f"--config: cannot read {path}: {e}") from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"--config: {path} must hold a mapping")
@@ -64,112 +53,28 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-_RESOLVERS: dict[str, Callable[[Any, Any], Any]] = {
+RESOLVERS: dict[str, Callable[[Any, Any], Any]] = {
     "add": lambda a, b: a + b,
     "sub": lambda a, b: a - b,
     "mul": lambda a, b: a * b,
     "div": lambda a, b: a / b,
     "max": lambda a, b: max(a, b),
 }
+"""The resolvers NeMo-RL registers with OmegaConf for its configs' ``${name:a, b}``."""
 
 
 def resolve_interpolations(cfg: dict[str, Any]) -> dict[str, Any]:
-    """``cfg`` with every ``${...}`` evaluated as OmegaConf does: ``${a.b}`` from the root,
-    ``${.b}`` / ``${..b}`` from the key's own section / its parent, ``${mul:x, y}`` and the
-    other resolvers of NeMo-RL; a whole-value interpolation keeps the target's type."""
-
-    def walk(value: Any, where: list[str], stack: tuple[str, ...]) -> Any:
-        if isinstance(value, dict):
-            return {k: walk(v, [*where, str(k)], stack) for k, v in value.items()}
-        if isinstance(value, list):
-            return [walk(v, where, stack) for v in value]
-        if isinstance(value, str) and "${" in value:
-            return _evaluate(value, where[:-1], stack + (".".join(where),), walk, cfg)
-        return value
-
-    return walk(cfg, [], ())
-
-
-def _evaluate(text: str, section: list[str], stack: tuple[str, ...], walk: Any, root: Any) -> Any:
-    """The value of ``text`` holding ``${...}``; ``section`` is the path of the section that
-    holds the key (for relative references)."""
-    spans = _top_level_spans(text, stack[-1])
-    if len(spans) == 1 and spans[0] == (0, len(text)):
-        return _expression(text[2:-1], section, stack, walk, root)
-    out, last = [], 0
-    for start, end in spans:
-        out += [
-            text[last:start],
-            str(_expression(text[start + 2 : end - 1], section, stack, walk, root)),
-        ]
-        last = end
-    return "".join(out) + text[last:]
-
-
-def _top_level_spans(text: str, key: str) -> list[tuple[int, int]]:
-    spans, depth, start = [], 0, 0
-    i = 0
-    while i < len(text):
-        if text.startswith("${", i):
-            if depth == 0:
-                start = i
-            depth += 1
-            i += 2
-            continue
-        if text[i] == "}" and depth:
-            depth -= 1
-            if depth == 0:
-                spans.append((start, i + 1))
-        i += 1
-    if depth:
-        raise ConfigError(f"{key}: unbalanced interpolation {text!r}")
-    return spans
-
-
-def _expression(expr: str, section: list[str], stack: tuple[str, ...], walk: Any, root: Any) -> Any:
-    key = stack[-1]
-    name, colon, args = expr.partition(":")
-    if colon and name.strip() in _RESOLVERS:
-        parts = _split_args(args)
-        if len(parts) != 2:
-            raise ConfigError(f"{key}: ${{{name}:...}} takes two arguments, got {args!r}")
-        values = []
-        for part in parts:
-            if "${" in part:
-                values.append(_evaluate(part, section, stack, walk, root))
-            else:
-                values.append(yaml.load(part, Loader=_Loader))
-        return _RESOLVERS[name.strip()](*values)
-    if colon:
-        raise ConfigError(
-            f"{key}: unknown resolver {name!r} in ${{{expr}}} (known: {', '.join(_RESOLVERS)})"
-        )
-    ref = expr.strip()
-    dots = len(ref) - len(ref.lstrip("."))
-    path = (section[: len(section) - dots + 1] if dots else []) + ref.lstrip(".").split(".")
-    target: Any = root
-    for part in path:
-        if not isinstance(target, dict) or part not in target:
-            raise ConfigError(f"{key}: interpolation ${{{expr}}} names no key ({'.'.join(path)})")
-        target = target[part]
-    dotted = ".".join(path)
-    if dotted in stack:
-        raise ConfigError(f"{key}: interpolation ${{{expr}}} refers to itself")
-    return walk(target, path, stack + (dotted,)) if "${" in str(target) else target
-
-
-def _split_args(args: str) -> list[str]:
-    parts, depth, current = [], 0, []
-    for ch in args:
-        if ch == "," and depth == 0:
-            parts.append("".join(current).strip())
-            current = []
-            continue
-        depth += ch == "{"
-        depth -= ch == "}"
-        current.append(ch)
-    parts.append("".join(current).strip())
-    return parts
+    """``cfg`` with every ``${...}`` evaluated by OmegaConf, as NeMo-RL evaluates its
+    configs (with :data:`RESOLVERS`); a bad interpolation is a :class:`ConfigError` naming
+    its dotted key."""
+    for name, fn in RESOLVERS.items():
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_resolver(name, fn)
+    try:
+        return OmegaConf.to_container(OmegaConf.create(cfg), resolve=True)  # type: ignore[return-value]
+    except OmegaConfBaseException as e:
+        message = (getattr(e, "msg", None) or str(e)).splitlines()[0]
+        raise ConfigError(f"{getattr(e, 'full_key', None) or '--config'}: {message}") from None
 
 
 # ----------------------------------------------------------------------------- rules

@@ -137,9 +137,9 @@ def test_defaults_overrides_and_interpolations_resolve_as_in_nemo_rl(tmp_path):
     assert resolve_interpolations({"a": {"b": 2, "c": "${.b}-${max:${a.b}, 3}"}}) == {
         "a": {"b": 2, "c": "2-3"}
     }
-    with pytest.raises(ConfigError, match=r"a.c: interpolation \$\{a.d\} names no key"):
+    with pytest.raises(ConfigError, match=r"^a.c: Interpolation key 'a.d' not found"):
         resolve_interpolations({"a": {"c": "${a.d}"}})
-    with pytest.raises(ConfigError, match=r"a.c: interpolation \$\{a.c\} refers to itself"):
+    with pytest.raises(ConfigError, match=r"^a.c: Recursive interpolation detected"):
         resolve_interpolations({"a": {"c": "${a.c}"}})
 
 
