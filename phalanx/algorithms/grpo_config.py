@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
+
+import tyro
 
 from phalanx._base.checks import check_int, check_number
 from phalanx.algorithms import _harness as harness
@@ -131,6 +133,13 @@ class GRPOConfig:
     vllm_async_engine: bool = False
     """vllm: vLLM's asynchronous engine (NeMo-RL's policy.generation.vllm_cfg.async_engine),
     its engine core in a process of its own, a batch's rows batched continuously"""
+    vllm_cfg: Annotated[dict[str, Any], tyro.conf.Suppress] = field(default_factory=dict)
+    """vllm: more of NeMo-RL's ``policy.generation.vllm_cfg`` keys for every engine
+    (enforce_eager, gpu_memory_utilization, kv_cache_dtype, logprobs_mode), checked as
+    ``VllmGeneration`` checks them; set in a --config file"""
+    vllm_kwargs: Annotated[dict[str, Any], tyro.conf.Suppress] = field(default_factory=dict)
+    """vllm: more engine arguments (NeMo-RL's ``policy.generation.vllm_kwargs``); set in a
+    --config file"""
     refit_transport: str = "ipc"
     """how new weights reach the generation workers (ipc, collective, ...)"""
     policy_timeout_s: float = 1800.0
@@ -344,7 +353,14 @@ class GRPOConfig:
                     "vllm_async_engine=true needs generation_backend='vllm', got "
                     f"{self.generation_backend!r}"
                 )
+            for name in ("vllm_cfg", "vllm_kwargs"):
+                if getattr(self, name):
+                    raise ConfigError(
+                        f"{name} {getattr(self, name)!r} needs generation_backend='vllm', got "
+                        f"{self.generation_backend!r}"
+                    )
             return
+        self._validate_vllm_sections()
         from importlib.util import find_spec
 
         from phalanx.llm.vllm_config import INSTALL_HINT
@@ -356,6 +372,28 @@ class GRPOConfig:
                 "generation_backend='vllm' with model 'tiny': its head size 16 is refused by "
                 "vLLM's CPU attention; use a pretrained model or generation_backend='hf'"
             )
+
+    def _validate_vllm_sections(self) -> None:
+        """``ConfigError`` naming a ``vllm_cfg`` / ``vllm_kwargs`` key that the run sets from
+        its own fields or that ``VllmGeneration`` would refuse."""
+        from phalanx.llm.vllm_config import check_vllm_generation_config
+
+        for name in ("vllm_cfg", "vllm_kwargs"):
+            if not isinstance(getattr(self, name), dict):
+                raise ConfigError(f"{name} must be a mapping, got {getattr(self, name)!r}")
+        own = {
+            "max_model_len": "max_total_sequence_length",
+            "async_engine": "vllm_async_engine",
+            "precision": "generation_precision",
+            "tensor_parallel_size": "num_generation_workers (each engine has one rank)",
+        }
+        for key in self.vllm_cfg:
+            if key in own:
+                raise ConfigError(f"vllm_cfg.{key}: set by the run from {own[key]}")
+        check_vllm_generation_config(
+            {"model_name": self.model, "vllm_cfg": dict(self.vllm_cfg),
+             "vllm_kwargs": dict(self.vllm_kwargs)}
+        )  # fmt: skip
 
     def _validate_async(self) -> None:
         """``ConfigError`` naming the asynchronous-GRPO key that cannot work."""

@@ -106,6 +106,16 @@ class Reader:
         self.fields[field] = value
         self.set_by[field] = key
 
+    def set_entry(self, field: str, entry: str, value: Any, key: str) -> None:
+        """Set ``entry`` of the mapping field ``field`` (several keys fill one mapping)."""
+        dotted = f"{field}.{entry}"
+        if dotted in self.set_by and self.set_by[dotted] != key:
+            self.refuse(key, value, f"sets {dotted}, which {self.set_by[dotted]} sets too")
+            return
+        self.set_by[dotted] = key
+        self.set_by.setdefault(field, key)
+        self.fields.setdefault(field, {})[entry] = value
+
     def refuse(self, key: str, value: Any, why: str) -> None:
         self.problems.append(f"{key}={value!r}: {why}")
 
@@ -129,6 +139,15 @@ def to(field: str, convert: Callable[[Any], Any] | None = None) -> Rule:
         r.set(field, convert(value) if convert is not None else value, key)
 
     return Rule(rule, f"`{field}`")
+
+
+def into(field: str, entry: str) -> Rule:
+    """The key sets ``entry`` of the mapping field ``field``."""
+
+    def rule(r: Reader, key: str, value: Any) -> None:
+        r.set_entry(field, entry, value, key)
+
+    return Rule(rule, f"`{field}: {{{entry}: ...}}`")
 
 
 def only(*allowed: Any, why: str) -> Rule:
@@ -209,6 +228,7 @@ __all__ = [
     "Reader",
     "Rule",
     "custom",
+    "into",
     "load_nemo_rl_yaml",
     "only",
     "refused",

@@ -13,6 +13,7 @@ from phalanx.algorithms.grpo_nemo_base import (
     Reader,
     Rule,
     custom,
+    into,
     only,
     refused,
     same_as,
@@ -24,7 +25,6 @@ from phalanx.algorithms.grpo_nemo_base import (
 PHALANX_SECTION = "phalanx"
 WANDB_PROJECT = "phalanx"  # the W&B project phalanx's metrics logger writes to
 DYNAMIC_BATCHING_ROUND = 16  # phalanx's dynamic batches round sequence lengths to this
-VLLM_GPU_MEMORY_UTILIZATION = 0.9  # what phalanx's GRPO run starts its engines with
 
 
 def _builtin_tasks() -> tuple[str, ...]:
@@ -365,19 +365,15 @@ _DTENSOR_ONLY: list[tuple[str, tuple[Any, ...], str]] = [
     ("custom_parallel_plan", (None,), _FSDP2),
 ]
 VLLM_CFG = "policy.generation.vllm_cfg"
-_DEFAULTS = "phalanx train grpo starts one-rank engines with vLLM's defaults for it"
+_DEFAULTS = "phalanx train grpo starts single-rank engines with vLLM's default for it"
 _OWN_REFIT = "phalanx refits through its own transports, not NeMo-RL's refit servers"
 _VLLM_ONLY: list[tuple[str, tuple[Any, ...], str]] = [
     ("tensor_parallel_size", (1,), _DEFAULTS),
     ("pipeline_parallel_size", (1,), _DEFAULTS),
     ("expert_parallel_size", (1,), _DEFAULTS),
-    ("gpu_memory_utilization", (VLLM_GPU_MEMORY_UTILIZATION,), _DEFAULTS),
-    ("enforce_eager", (False,), "phalanx train grpo starts its engines compiled"),
     ("use_deep_gemm", (False,), _DEFAULTS),
     ("num_last_layers_in_bf16", (0,), _DEFAULTS),
     ("num_first_layers_in_bf16", (0,), _DEFAULTS),
-    ("kv_cache_dtype", ("auto",), _DEFAULTS),
-    ("logprobs_mode", ("raw_logprobs",), "phalanx records the unprocessed logits' log-probs"),
     ("use_tqdm", (False,), "phalanx shows its own progress"),
     ("http_refit_api_key_env_var", (None,), _OWN_REFIT),
     ("http_refit_server_port", (None,), _OWN_REFIT),
@@ -549,9 +545,11 @@ RULES: dict[str, Rule] = {
     "policy.generation.mcore_generation_config": unused(
         "settings of NeMo-RL's Megatron generation backend (backend must be hf or vllm)"
     ),
-    "policy.generation.vllm_kwargs": _vllm(
-        only({}, why="phalanx train grpo passes no other engine arguments")
-    ),
+    "policy.generation.vllm_kwargs": _vllm(to("vllm_kwargs")),
+    **{
+        f"{VLLM_CFG}.{key}": _vllm(into("vllm_cfg", key))
+        for key in ("gpu_memory_utilization", "enforce_eager", "kv_cache_dtype", "logprobs_mode")
+    },
     "policy.generation.vllm_cfg.async_engine": _vllm(to("vllm_async_engine")),
     "policy.generation.vllm_cfg.precision": _vllm(to("generation_precision")),
     "policy.generation.vllm_cfg.max_model_len": _vllm(_max_model_len),

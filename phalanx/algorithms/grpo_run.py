@@ -217,7 +217,12 @@ def plan_run(cfg: GRPOConfig, task: Any, ckpt: str | None) -> RunPlan:
     if cfg.generation_backend == "vllm":
         gen_cfg.update(
             backend="vllm",
-            vllm_cfg={"max_model_len": max_seq, "async_engine": cfg.vllm_async_engine},
+            vllm_cfg={
+                **cfg.vllm_cfg,
+                "max_model_len": max_seq,
+                "async_engine": cfg.vllm_async_engine,
+            },
+            vllm_kwargs=dict(cfg.vllm_kwargs),
         )
     return RunPlan(
         base_dir, sft_dir, tokenizer, max_seq, batch, gbs == batch, warm, policy_cfg, gen_cfg,

@@ -62,6 +62,7 @@ def test_the_example_maps_onto_grpo_config_field_by_field():
         "max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0, "vllm_async_engine": False,
         "generation_precision": "float32", "placement": "shared", "task": "addition",
         "wandb": False, "num_policy_workers": 1, "num_generation_workers": 1,
+        "vllm_cfg": {"gpu_memory_utilization": 0.9, "enforce_eager": False}, "vllm_kwargs": {},
     }  # fmt: skip
     cfg = GRPOConfig(**fields)
     # what the README's GRPO run uses, spelled NeMo-RL's way
@@ -162,7 +163,6 @@ def test_every_key_phalanx_cannot_honour_is_named_at_once():
         "policy.megatron_cfg.enabled",
         "policy.dynamic_batching.train_mb_tokens",
         "policy.generation.vllm_cfg.tensor_parallel_size",
-        "policy.generation.vllm_cfg.enforce_eager",
         "policy.generation.vllm_cfg.swap_space",
         "data.dataset_name",
         "logger.mlflow_enabled",
@@ -172,10 +172,10 @@ def test_every_key_phalanx_cannot_honour_is_named_at_once():
     with pytest.raises(ConfigError) as info:
         nemo_rl_fields(cfg, "--config run.yaml")
     text = str(info.value)
-    assert text.startswith("--config run.yaml: 11 NeMo-RL key(s) phalanx cannot honour")
+    assert text.startswith("--config run.yaml: 10 NeMo-RL key(s) phalanx cannot honour")
     assert (
-        "policy.generation.vllm_cfg.enforce_eager=True: only false: phalanx train grpo starts "
-        "its engines compiled" in text
+        "policy.generation.vllm_cfg.tensor_parallel_size=2: only 1: phalanx train grpo starts "
+        "single-rank engines" in text
     )
     assert (
         "policy.dynamic_batching.train_mb_tokens=4096: phalanx's budget is "
@@ -185,8 +185,8 @@ def test_every_key_phalanx_cannot_honour_is_named_at_once():
 
 def test_nemo_rl_policy_section_of_grpo_math_1B_is_read_key_by_key():
     """NeMo-RL's own ``policy`` section of grpo_math_1B.yaml: what maps, and the keys
-    refused (its LR schedule, sequence packing, sampled validation, the vLLM options the
-    GRPO run does not pass on)."""
+    refused (its LR schedule, sequence packing, sampled validation, vLLM's metrics logger
+    and progress bar); its engine options reach the run's ``vllm_cfg``."""
     policy = load_nemo_rl_yaml(str(POLICY_1B))["policy"]
     cfg = resolve_interpolations({"policy": policy})
     vllm = "policy.generation.vllm_cfg."
@@ -197,8 +197,6 @@ def test_nemo_rl_policy_section_of_grpo_math_1B_is_read_key_by_key():
         *(
             vllm + k
             for k in (
-                "logprobs_mode",
-                "gpu_memory_utilization",
                 "use_tqdm",
                 "enable_vllm_metrics_logger",
             )
@@ -207,10 +205,7 @@ def test_nemo_rl_policy_section_of_grpo_math_1B_is_read_key_by_key():
     policy["sequence_packing"]["enabled"] = False
     del policy["scheduler"]
     policy["generation"]["val_temperature"] = 0.0
-    policy["generation"]["vllm_cfg"].update(
-        logprobs_mode="raw_logprobs", gpu_memory_utilization=0.9, use_tqdm=False,
-        enable_vllm_metrics_logger=False,
-    )  # fmt: skip
+    policy["generation"]["vllm_cfg"].update(use_tqdm=False, enable_vllm_metrics_logger=False)
     fields = nemo_rl_fields(resolve_interpolations({"policy": policy}), "test")
     assert fields["model"] == policy["model_name"]
     assert (fields["precision"], fields["generation_precision"]) == ("bfloat16", "bfloat16")
@@ -218,6 +213,10 @@ def test_nemo_rl_policy_section_of_grpo_math_1B_is_read_key_by_key():
     assert (fields["max_new_tokens"], fields["max_total_sequence_length"]) == (512, 512)
     assert (fields["lr"], fields["weight_decay"], fields["adam_eps"]) == (5e-6, 0.01, 1e-8)
     assert fields["dynamic_batching"] is False and fields["generation_backend"] == "vllm"
+    assert fields["vllm_cfg"] == {
+        "kv_cache_dtype": "auto", "logprobs_mode": "processed_logprobs",
+        "gpu_memory_utilization": 0.6, "enforce_eager": False,
+    }  # fmt: skip
 
 
 def test_colocation_and_cluster_size_set_the_workers_and_placement():
@@ -269,14 +268,22 @@ def test_a_field_set_twice_and_tied_keys_are_refused(tmp_path):
 @pytest.mark.smoke
 def test_cli_exits_1_naming_the_dotted_key(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    text = EXAMPLE.read_text().replace("enforce_eager: false", "enforce_eager: true")
+    text = EXAMPLE.read_text().replace(
+        "      tensor_parallel_size: 1", "      tensor_parallel_size: 2"
+    )
     text = text.replace('"runs/nemo-rl-grpo-smollm2"', f'"{run_dir}"')
     run = _write(tmp_path, "run.yaml", text)
     assert main(["train", "grpo", "--config", run]) == 1
     err = capsys.readouterr().err
     assert f"--config {run}: 1 NeMo-RL key(s) phalanx cannot honour" in err
-    assert "policy.generation.vllm_cfg.enforce_eager=True: only false" in err
+    assert "policy.generation.vllm_cfg.tensor_parallel_size=2: only 1" in err
     assert not run_dir.exists()  # nothing started
+
+
+def test_engine_options_need_the_vllm_backend():
+    for name in ("vllm_cfg", "vllm_kwargs"):
+        with pytest.raises(ConfigError, match=f"^{name} {{'x': 1}} needs generation_backend"):
+            GRPOConfig(**{name: {"x": 1}}).validate()
 
 
 def test_docs_compat_holds_the_mapping_table():

@@ -213,6 +213,7 @@ def test_async_grpo_on_the_async_engine(cluster, vllm_model_path, tmp_path):
         precision="float32",
         generation_backend="vllm",
         vllm_async_engine=True,
+        vllm_cfg={"enforce_eager": True},
         async_grpo=True,
         max_trajectory_age_steps=0,
         run_dir=str(tmp_path / "run"),

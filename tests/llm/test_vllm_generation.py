@@ -234,6 +234,45 @@ def test_grpo_generation_backend_is_checked_before_anything_starts():
             GRPOConfig(generation_backend="vllm").validate()
 
 
+@pytest.mark.skipif(not HAS_VLLM, reason="the vLLM backend's checks run where vLLM is")
+def test_grpo_vllm_cfg_reaches_the_engine_config_and_is_checked(vllm_model_path, tmp_path):
+    """``GRPOConfig.vllm_cfg`` / ``vllm_kwargs`` (a config file's NeMo-RL engine keys) go
+    into every engine's generation config; a key the run sets itself or a value
+    ``VllmGeneration`` refuses is a ConfigError naming it, before anything starts."""
+    from phalanx.algorithms.grpo_config import GRPOConfig
+    from phalanx.algorithms.grpo_run import plan_run
+    from phalanx.algorithms.grpo_tasks import make_task
+
+    def cfg(**kw):
+        return GRPOConfig.tiny(
+            model=vllm_model_path, generation_backend="vllm", run_dir=str(tmp_path), **kw
+        )
+
+    good = cfg(
+        vllm_cfg={"enforce_eager": True, "kv_cache_dtype": "auto", "gpu_memory_utilization": 0.5},
+        vllm_kwargs={"max_num_seqs": 16},
+    )
+    good.validate()
+    gen = plan_run(good, make_task(good.task), None).gen_cfg
+    assert gen["vllm_kwargs"] == {"max_num_seqs": 16}
+    assert {k: gen["vllm_cfg"][k] for k in ("enforce_eager", "kv_cache_dtype")} == {
+        "enforce_eager": True,
+        "kv_cache_dtype": "auto",
+    }
+    assert gen["vllm_cfg"]["gpu_memory_utilization"] == 0.5
+    for kw, match in (
+        ({"vllm_cfg": {"max_model_len": 64}}, "vllm_cfg.max_model_len: set by the run from "
+         "max_total_sequence_length"),
+        ({"vllm_cfg": {"async_engine": True}}, "vllm_cfg.async_engine: set by the run from "
+         "vllm_async_engine"),
+        ({"vllm_cfg": {"kv_cache_dtype": "int3"}}, "generation.vllm_cfg.kv_cache_dtype 'int3'"),
+        ({"vllm_cfg": {"swap_space": 4}}, "swap_space"),
+        ({"vllm_kwargs": {"seed": 3}}, r"generation.vllm_kwargs: \['seed'\] are set from"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError, match=match):
+            cfg(**kw).validate()
+
+
 def test_nemo_rl_generation_section_is_accepted(vllm_model_path):
     """The ``policy.generation`` section of NeMo-RL's grpo_math_1B.yaml (the pinned copy the
     policy's config tests load), resolved."""
