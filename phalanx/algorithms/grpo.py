@@ -173,8 +173,8 @@ def train(
     finally:
         bar.close()
         metrics.close()
+        recovery.close()  # first: the groups' shutdown below is no death to act on
         run.close(failed)
-        recovery.close()
     return run.result(t_start)
 
 

@@ -7,8 +7,10 @@ rollouts come from, the held-out evaluation, checkpoints, the clean-up and the r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -230,6 +232,24 @@ def plan_run(cfg: GRPOConfig, task: Any, ckpt: str | None) -> RunPlan:
     )  # fmt: skip
 
 
+class _GuardedMemory(PhaseMemory):
+    """:class:`PhaseMemory` whose measurements and a policy relaunch's swap of its groups
+    take turns, so no measurement calls a group that a relaunch on another thread is
+    shutting down."""
+
+    def __init__(self, groups: dict[str, Any], lock: threading.Lock) -> None:
+        super().__init__(groups)
+        self._lock = lock
+
+    def reset(self) -> None:
+        with self._lock:
+            super().reset()
+
+    def peak(self) -> float:
+        with self._lock:
+            return super().peak()
+
+
 def progress_bar(cfg: GRPOConfig) -> Any:
     """The run's live progress display (a no-op with ``progress=False``)."""
     from phalanx.observe.progress import Progress
@@ -262,6 +282,7 @@ class GRPORun:
         self.warmed_up = False  # the warm-up ran before the policy (LoRA)
         self.cluster: Any = None
         self._generation_restarts = RestartWatch(lambda: self.generation)
+        self._memory_lock = threading.Lock()  # a policy relaunch swaps the measured groups
 
     def launch(self, cluster: Any, ckpt: str | None, metrics: Any) -> None:
         """The policy (from checkpoint ``ckpt`` when resuming) and generation groups, placed
@@ -308,55 +329,84 @@ class GRPORun:
             # every core for the policy while no generation batch runs (phase_threads)
             idle = max(1, len(os.sched_getaffinity(0)) // cfg.num_policy_workers)
             self.phase = PhaseThreads(busy=plan.policy_threads, idle=idle)
-        self._place_policy()
+        self._place_policy(self.policy)
         # Overlapping phases: the generators' memory is not a phase's (not measured).
         pg = self.policy.worker_group
         groups = {"policy": pg} if cfg.async_grpo else {"policy": pg, "generation": self.generation}
-        self.memory = PhaseMemory(groups)
+        self.memory = _GuardedMemory(groups, self._memory_lock)
         self.refitter = Refitter(self.policy, self.generation, cfg.refit_transport)
 
-    def _place_policy(self) -> None:
+    def _place_policy(self, policy: Any) -> None:
         """The policy workers' threads and cores, and the phase's thread count to follow."""
-        pg = self.policy.worker_group
+        pg = policy.worker_group
         place_group(pg, self.plan.policy_threads, self.plan.policy_cpus)
         if self.phase is not None:
             calls = [(r, (self.phase.path,), {}) for r in range(pg.world_size)]
             pg.apply(follow_phase_threads, calls, label="follow_threads").wait(timeout=60)
 
-    def relaunch_policy(self, root: str, slot: int) -> dict[str, float]:
-        """Replace the policy group (one of its ranks died) by a new one that restores the
-        state kept in ``slot`` under ``root`` (``Policy.keep_state``), placed as the old one
-        and refitted from from now on; the seconds its shutdown, its start and the state's
-        load took. The reference is built as a resumed run builds it."""
+    def start_policy_from(self, old: Any, root: str, slot: int) -> tuple[Any, dict[str, float]]:
+        """Shut the policy group ``old`` down (one of its ranks died) and start a new policy
+        that restores the state kept in ``slot`` under ``root`` (``Policy.keep_state``),
+        placed as the old one; the new policy and the seconds its predecessor's shutdown,
+        its start and the state's load took.
+
+        It touches no group but these two (the loop may go on meanwhile, on another
+        thread): :meth:`install_policy` makes the new policy the run's. The reference is
+        built as a resumed run builds it. A new policy that fails to load is shut down.
+        """
         cfg, plan = self.cfg, self.plan
         t = time.perf_counter()
+        with self._memory_lock:  # no measurement calls the old group from now on
+            self.memory.groups = {k: g for k, g in self.memory.groups.items() if g is not old}
         # No clean-up call: the live ranks are stuck in a collective with the dead one.
-        self.policy.worker_group.shutdown(timeout=5.0, force=True)
+        old.shutdown(timeout=5.0, force=True)
         t_down = time.perf_counter()
         policy_cfg = (
             {**plan.policy_cfg, "model_name": plan.sft_dir} if plan.warm else plan.policy_cfg
         )
-        self.policy = self._start_policy(
-            self.cluster, policy_cfg, None, init_reference_model=cfg.kl_beta > 0 or plan.warm
+        policy = self._start_policy(
+            self.cluster,
+            policy_cfg,
+            None,
+            shown=False,  # it may run beside the loop
+            init_reference_model=cfg.kl_beta > 0 or plan.warm,
         )
         t_load = time.perf_counter()
-        self.policy.restore_kept_state(root, slot)
-        self._place_policy()
-        self.memory.groups["policy"] = self.policy.worker_group
-        self.refitter.replace_policy(self.policy)
-        return {
+        try:
+            policy.restore_kept_state(root, slot)
+            self._place_policy(policy)
+        except BaseException:
+            policy.worker_group.shutdown(timeout=5.0, force=True)
+            raise
+        return policy, {
             "shutdown": t_down - t,
             "start": t_load - t_down,
             "load": time.perf_counter() - t_load,
         }
 
+    def install_policy(self, policy: Any) -> None:
+        """Make ``policy`` (from :meth:`start_policy_from`) the run's: the loop's calls,
+        the memory measurement and the refits go to it."""
+        self.policy = policy
+        with self._memory_lock:
+            self.memory.groups = {**self.memory.groups, "policy": policy.worker_group}
+        self.refitter.replace_policy(policy)
+
     def _start_policy(
-        self, cluster: Any, policy_cfg: dict[str, Any], ckpt: str | None, **kwargs: Any
+        self,
+        cluster: Any,
+        policy_cfg: dict[str, Any],
+        ckpt: str | None,
+        shown: bool = True,
+        **kwargs: Any,
     ) -> Any:
+        """A new policy group; ``shown``: the progress display says so (the loop's thread
+        only: its waits nest)."""
         from phalanx.llm.policy import Policy
 
         cfg = self.cfg
-        with self.bar.waiting(f"{cfg.num_policy_workers} policy worker(s) loading {cfg.model}"):
+        what = f"{cfg.num_policy_workers} policy worker(s) loading {cfg.model}"
+        with self.bar.waiting(what) if shown else contextlib.nullcontext():
             return Policy(
                 cluster,
                 policy_cfg,

@@ -251,6 +251,7 @@ class FaultState:
         # Out of service until probed (``until_probed``): rank -> the ref of its stalled
         # call still running, or None.
         self._out_of_service: dict[int, Any] = {}
+        self._death_listeners: list[Callable[[int, str], None]] = []
         self._closed = False
 
     # -- setup ----------------------------------------------------------------------------
@@ -340,6 +341,36 @@ class FaultState:
             for r, st in zip(ranks, states):
                 self._states[r] = st
 
+    # -- death listeners ------------------------------------------------------------------
+    def add_death_listener(self, listener: Callable[[int, str], None]) -> Callable[[], None]:
+        """Call ``listener(rank, reason)`` each time a rank's actor is seen dead (once per
+        death, after its health changed); returns a function that removes it.
+
+        It runs on the thread that saw the death (the health monitor's, or a caller's whose
+        call met the dead actor), so it must return at once: work that takes time belongs
+        on a thread of its own. An exception it raises is logged and dropped.
+        """
+        if not callable(listener):
+            raise TypeError(f"listener must be callable, got {type(listener).__name__}")
+        with self._cond:
+            self._death_listeners.append(listener)
+
+        def remove() -> None:
+            with self._cond:
+                if listener in self._death_listeners:
+                    self._death_listeners.remove(listener)
+
+        return remove
+
+    def _tell_death(
+        self, rank: int, reason: str, listeners: list[Callable[[int, str], None]]
+    ) -> None:
+        for listener in listeners:
+            try:
+                listener(rank, reason)
+            except Exception:  # noqa: BLE001 - a listener never stops the thread that saw it
+                logger.exception("rank %d: a death listener raised", rank)
+
     # -- health ---------------------------------------------------------------------------
     def _set(self, rank: int, new: WorkerHealth, reason: str) -> None:
         old = self._health[rank]
@@ -383,6 +414,8 @@ class FaultState:
                 return
             self._set(rank, WorkerHealth.UNHEALTHY, reason)
             self._schedule_or_bury(rank, reason)
+            listeners = list(self._death_listeners)
+        self._tell_death(rank, reason, listeners)
 
     def fail(self, rank: int, reason: str, running: Any = None) -> None:
         """``rank`` failed although its process answered (``restart_on_error``), or its

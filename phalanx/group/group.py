@@ -548,6 +548,25 @@ class WorkerGroup:
         """
         return self._fault.events()
 
+    def add_death_listener(self, listener: Callable[[int, str], None]) -> Callable[[], None]:
+        """Call ``listener(rank, reason)`` as soon as a rank's actor is seen dead, whether
+        or not a call is running on the group (a trainer can start replacing an idle group).
+
+        It runs on the thread that saw the death (usually the health monitor's), so it must
+        return at once and hand longer work to a thread of its own; an exception it raises
+        is logged and dropped.
+
+        Args:
+            listener: called with the rank and the reason of its death.
+
+        Returns:
+            A function that removes the listener.
+
+        Raises:
+            TypeError: ``listener`` is not callable.
+        """
+        return self._fault.add_death_listener(listener)
+
     def wait_healthy(self, timeout_seconds: float = 60.0, ranks: list[int] | None = None) -> bool:
         """Block until ``ranks`` (default all) are healthy; False if the time ran out or a
         rank is unhealthy or dead with no restart under way.

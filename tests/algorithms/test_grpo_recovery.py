@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -97,12 +98,39 @@ def test_policy_rank_killed_in_training_and_in_refit_ends_with_undisturbed_weigh
 @pytest.mark.slow(reason="a GRPO run with one policy relaunch, then its resume")
 @pytest.mark.timeout(600)
 def test_a_death_past_max_restarts_ends_the_run_with_exit_4_and_a_resumable_folder(
-    cluster, tmp_path, capsys
+    cluster, tmp_path, capsys, monkeypatch
 ):
+    """Rank 1 dies in step 2's training (relaunched: the budget of 1 is spent), then the
+    relaunched rank 0 is SIGKILLed as step 3's generation starts: its death is seen while
+    the generators run, but no relaunch begins; the step's first policy call ends the run."""
+    import threading
+
+    from phalanx.algorithms import grpo_run
+    from tests.algorithms.test_grpo_recovery_eager import Relaunches
+
     run_dir = tmp_path / "run"
     cfg = _cfg(run_dir, max_restarts=1)
-    on_training = kill_plan({1: (die_in_next_train, 1), 2: (die_in_next_train, 0)})
+    relaunches = Relaunches(monkeypatch)
+    first_death = kill_plan({1: (die_in_next_train, 1)})
+    pids: list[int] = []  # the relaunched policy's rank 0
+    seen = threading.Event()  # the death was told to the listeners (the recovery's first)
+    batches: list[bool] = []  # per batch: whether a death was seen while it ran
     errors: list[BaseException] = []
+    real_generate = grpo_run.generate
+
+    def on_training(step: int, policy: Any) -> None:
+        first_death(step, policy)
+        if step == 2:
+            pids.append(policy.worker_group.worker_metadata[0]["pid"])
+            policy.worker_group.add_death_listener(lambda rank, reason: seen.set())
+
+    def generate(group: Any, prompts: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(batches) == 2:
+            os.kill(pids[0], signal.SIGKILL)
+        batches.append(seen.wait(60) if len(batches) == 2 else False)
+        return real_generate(group, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(grpo_run, "generate", generate)
 
     def body() -> int:
         try:
@@ -115,12 +143,16 @@ def test_a_death_past_max_restarts_ends_the_run_with_exit_4_and_a_resumable_fold
     code = harness.run_command("phalanx train grpo", GRPOConfig, run_dir, body)
 
     assert code == harness.RUNTIME_FAILURE == 4
+    assert batches == [False, False, True]
+    assert relaunches.begun == 1  # the first death's; the second started none
     (error,) = errors
     assert isinstance(error, RestartBudgetSpentError)
     assert error.group == f"grpo_policy_{os.getpid()}"
     assert error.rank == 0
     first_line = str(error).splitlines()[0]
-    assert first_line.startswith(f"grpo_policy_{os.getpid()}[rank 0].train() failed with ")
+    assert first_line.startswith(
+        f"grpo_policy_{os.getpid()}[rank 0].get_reference_policy_logprobs() failed with "
+    ), first_line
     assert "rank 0 died after the policy group was relaunched 1 time(s) (max_restarts=1)" in (
         first_line
     )

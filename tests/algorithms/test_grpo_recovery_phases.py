@@ -1,9 +1,9 @@
-"""A policy rank that dies in the held-out evaluation or in the checkpoint of a GRPO step,
-or while no policy call runs (during generation), is recovered as one that dies in
-training: the policy group is relaunched from the last state kept, and only the
-interrupted part (or the call that meets the death) is done again; nothing is trained
-twice: each checkpoint holds the weights its step trained. A generation worker that dies
-in the evaluation is restarted by its group and the evaluation done.
+"""A policy rank that dies in the held-out evaluation or in the checkpoint of a GRPO step
+is recovered as one that dies in training: the policy group is relaunched from the last
+state kept, and only the interrupted part is done again; nothing is trained twice: each
+checkpoint holds the weights its step trained. A generation worker that dies in the
+evaluation is restarted by its group and the evaluation done. (A policy rank that dies
+while no policy call runs: ``test_grpo_recovery_eager.py``.)
 
 A rank dies by its own hand when the named call reaches it (installed by the step hook
 ``train(on_training=...)``), or by a SIGKILL as a generation call starts; never after a
@@ -109,46 +109,6 @@ def test_policy_rank_killed_in_evaluation_and_in_checkpoint_redoes_only_that_par
     rows = read_metrics(run_dir)
     evals = [(r["step"], 0.0 <= r["p_correct"] <= 1.0) for r in rows if "eval/accuracy" in r]
     assert evals == [(1, True), (2, True)]  # each evaluation once, done in full
-    _assert_checkpoints_hold(run_dir, trained)
-
-
-@pytest.mark.slow(reason="a two-step GRPO run with a policy relaunch")
-@pytest.mark.timeout(600)
-def test_policy_rank_killed_during_generation_is_recovered_by_the_next_policy_call(
-    cluster, tmp_path, monkeypatch
-):
-    """Rank 1 is SIGKILLed as step 2's generation starts: the batch is generated once, and
-    the step's first policy call (the reference log-probs) meets the death and recovers it
-    from the state kept after step 1."""
-    from phalanx.algorithms import grpo_run
-
-    run_dir = tmp_path / "run"
-    trained: dict[int, dict[str, torch.Tensor]] = {}
-    pids: list[int] = []  # the policy's rank 1, read after step 1's training
-    batches: list[int] = []
-    real_generate = grpo_run.generate
-
-    def generate(group: Any, prompts: Any, *args: Any, **kwargs: Any) -> Any:
-        batches.append(len(batches) + 1)
-        if len(batches) == 2:
-            os.kill(pids[0], signal.SIGKILL)
-        return real_generate(group, prompts, *args, **kwargs)
-
-    def on_training(step: int, policy: Any) -> None:
-        trained[step] = policy.state_dict()
-        if step == 1:
-            pids.append(policy.worker_group.worker_metadata[1]["pid"])
-
-    monkeypatch.setattr(grpo_run, "generate", generate)
-    hist = train(_cfg(run_dir), cluster, on_training=on_training)["history"]
-
-    assert batches == [1, 2]  # the generation is not redone
-    assert _recoveries(run_dir) == [
-        {"step": 2, "recovery/group": "policy", "recovery/rank": 1,
-         "recovery/repeated": "log-probs and training"},
-    ]  # fmt: skip
-    assert [h["step"] for h in hist] == [1, 2]
-    assert [h["policy_restarts"] for h in hist] == [0, 1]
     _assert_checkpoints_hold(run_dir, trained)
 
 
