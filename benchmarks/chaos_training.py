@@ -10,14 +10,18 @@ default) kills a policy rank or a generation worker in turn, whatever they are d
 deadline) until that rank's process is inside ``train``. The rank's process is known from
 its title while it starts (Ray titles it ``ray::<group>:<rank>:...__init__``), at the
 run's start and at every relaunch; it is inside ``train`` while its title ends in
-``.train``. ``--policy-ranks`` sets the size of the FSDP policy group.
+``.train``. ``--victim policy-idle`` kills policy rank ``--rank`` while the policy is idle:
+while a generation worker is inside ``generate``. ``--policy-ranks`` sets the size of the
+FSDP policy group.
 
 Reports, per run: exit status (the job is never restarted: a run that does not finish by
 itself is a failure), kills sent, the recoveries the run logged (``recovery/*`` rows of
 ``metrics.jsonl``), generation-worker restarts, steps redone, the time per step, and the
 final held-out accuracy; per kill of a policy rank, the seconds from the kill to the step's
 restart (the recovery row's time), split into worker start-up, state load, refit and the
-rest (noticing the death, shutting the old group down); then the ratio of the killed run's
+rest (noticing the death, shutting the old group down); per kill of an idle policy rank,
+the seconds from the kill to the death being seen and to the relaunched group being ready,
+and how long the next policy call waited for it; then the ratio of the killed run's
 final accuracy to the clean run's (goal: within 10%).
 
 ``--algo ppo`` runs ``phalanx train ppo --env CartPole-v1 --env-runners 2 --stop-return
@@ -138,20 +142,36 @@ def _rank_pid(driver: psutil.Process, rank: int, known: dict[int, int]) -> int |
     return max(started)[1] if started else None
 
 
-def _in_train(pid: int) -> bool:
+def _in_call(pid: int, method: str) -> bool:
+    """Whether the worker ``pid`` is inside ``method`` (Ray titles it ``...].<method>``)."""
     try:
-        return " ".join(psutil.Process(pid).cmdline()).rstrip().endswith(".train")
+        return " ".join(psutil.Process(pid).cmdline()).rstrip().endswith(f".{method}")
     except psutil.Error:
         return False
+
+
+def _generating(driver: psutil.Process) -> bool:
+    """Whether a generation worker of the run is inside ``generate``."""
+    return any(
+        _in_call(proc.pid, "generate")
+        for proc in _role_processes(driver, "Host_HFGenerationWorker")
+    )
 
 
 def _rank_killer(driver: psutil.Process, metrics: Path, args: argparse.Namespace,
                  stop: threading.Event, kills: list[tuple[float, str, int]], t0: float,
                  wall: list[tuple[float, str]]) -> None:  # fmt: skip
-    """SIGKILL policy rank ``args.rank`` while it is inside ``train``, every ``--every-min``
-    to ``--every-max`` seconds from the end of the first step on; a rank not seen in
-    ``train`` within ``--mid-step-deadline`` seconds is tried again at the next turn. At
-    most ``--max-kills`` kills (a run's restart budget, ``--max-restarts``, is 3 by default)."""
+    """SIGKILL policy rank ``args.rank`` while it is inside ``train`` (``--victim
+    policy-idle``: while a generation worker is inside ``generate``), every ``--every-min``
+    to ``--every-max`` seconds from the end of the first step on; a rank not found so within
+    ``--mid-step-deadline`` seconds is tried again at the next turn. At most ``--max-kills``
+    kills (a run's restart budget, ``--max-restarts``, is 3 by default)."""
+    idle = args.victim == "policy-idle"
+    where = "idle, during generation" if idle else "in train"
+
+    def ready(pid: int) -> bool:
+        return _generating(driver) if idle else _in_call(pid, "train")
+
     rng = random.Random(args.seed)
     known: dict[int, int] = {}
     while not stop.is_set() and not _first_step_done(metrics):
@@ -164,26 +184,31 @@ def _rank_killer(driver: psutil.Process, metrics: Path, args: argparse.Namespace
             stop.wait(0.05)
             continue
         deadline = time.perf_counter() + args.mid_step_deadline
-        while not stop.is_set() and time.perf_counter() < deadline and not _in_train(pid):
+        while not stop.is_set() and time.perf_counter() < deadline and not ready(pid):
             time.sleep(0.001)  # polling a title, not waiting for an effect
-        if _in_train(pid) and _sigkill(pid):
+        if ready(pid) and _sigkill(pid):
             wall.append((time.time(), "policy"))
-            kills.append((time.perf_counter() - t0, f"policy rank {args.rank} in train", pid))
+            kills.append((time.perf_counter() - t0, f"policy rank {args.rank} {where}", pid))
         next_at = time.perf_counter() + rng.uniform(args.every_min, args.every_max)
 
 
 def per_kill(kills_wall: list[float], recoveries: list[dict]) -> list[dict]:
     """Each policy kill with the recovery that followed it: seconds from the kill to the
     recovery row (the step goes on from there), split into worker start-up, state load,
-    refit and the rest."""
+    refit and the rest; and from the kill to the death being seen (``seen_s``) and to the
+    relaunched group being ready (``relaunched_s``), and how long the policy call that
+    took it waited (``wait_s``)."""
     out = []
     for at, rec in zip(kills_wall, recoveries, strict=False):
         total = rec["wall_time"] - at
         start, load = rec["start_seconds"], rec.get("load_seconds", 0.0)
+        seen = total - rec["seconds"]
+        relaunched = seen + rec.get("noticed_seconds", 0.0) + rec["shutdown_seconds"] + start + load
         out.append({
             "step": rec["step"], "repeated": rec["repeated"], "kill_to_resume_s": total,
             "startup_s": start, "load_s": load, "refit_s": rec["refit_seconds"],
-            "rest_s": total - start - load - rec["refit_seconds"],
+            "rest_s": total - start - load - rec["refit_seconds"], "seen_s": seen,
+            "relaunched_s": relaunched, "wait_s": rec.get("wait_seconds", 0.0),
         })  # fmt: skip
     return out
 
@@ -212,7 +237,7 @@ def run_once(chaos: bool, args: argparse.Namespace) -> dict:
     kills: list[tuple[float, str, int]] = []
     kills_wall: list[tuple[float, str]] = []
     killer = None
-    if chaos and args.victim == "policy-rank":
+    if chaos and args.victim in ("policy-rank", "policy-idle"):
 
         def killer(driver: psutil.Process, stop: threading.Event) -> None:
             _rank_killer(driver, run_dir / "metrics.jsonl", args, stop, kills, t0, kills_wall)
@@ -386,9 +411,10 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     p.add_argument("--policy-ranks", type=int, default=None,
                    help="policy ranks (FSDP); default: the command's (tiny: 2)")  # fmt: skip
-    p.add_argument("--victim", choices=("any", "policy-rank"), default="any",
+    p.add_argument("--victim", choices=("any", "policy-rank", "policy-idle"), default="any",
                    help="any: a policy rank or a generation worker in turn, whatever it does; "
-                   "policy-rank: policy rank --rank, inside train")  # fmt: skip
+                   "policy-rank: policy rank --rank, inside train; policy-idle: policy rank "
+                   "--rank while a generation worker is inside generate")  # fmt: skip
     p.add_argument("--rank", type=int, default=1, help="the policy rank --victim policy-rank kills")
     p.add_argument("--max-kills", type=int, default=None,
                    help="kills at most (default: no bound)")  # fmt: skip
@@ -427,6 +453,11 @@ def main() -> None:
                   f"{rec['start_seconds']:.1f} + load {rec.get('load_seconds', 0.0):.2f} + "
                   f"refit {rec['refit_seconds']:.2f}")  # fmt: skip
         for k in r["per_kill"]:
+            print(f"  kill -> death seen {k['seen_s']:.2f} s -> relaunched group ready "
+                  f"{k['relaunched_s']:.1f} s; the policy call of step {k['step']} waited "
+                  f"{k['wait_s']:.1f} s for it, then refit {k['refit_s']:.2f} s")  # fmt: skip
+            if k["repeated"] == "none":
+                continue
             print(f"  kill -> step {k['step']} going on ({k['repeated']} redone): "
                   f"{k['kill_to_resume_s']:.1f} s = worker start-up {k['startup_s']:.1f} + "
                   f"state load {k['load_s']:.2f} + refit {k['refit_s']:.2f} + "

@@ -179,22 +179,28 @@ def test_a_death_past_max_restarts_ends_the_run_with_exit_4_and_a_resumable_fold
 @pytest.mark.timeout(60)
 def test_chaos_benchmark_splits_each_kill_into_start_up_load_refit_and_rest(monkeypatch):
     """benchmarks/chaos_training.py pairs each kill with the recovery row after it; the
-    kill's time to that row is worker start-up + state load + refit + the rest."""
+    kill's time to that row is worker start-up + state load + refit + the rest; the kill's
+    time to the death being seen is the row's time less its seconds (seen to refitted), and
+    to the relaunched group being ready adds noticing, shutdown, start-up and load."""
     from tests.helpers import BENCHMARKS, benchmark_module
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its sibling _common
     chaos = benchmark_module("chaos_training")
     rows = [
-        {"wall_time": 130.0, "step": 3, "repeated": "log-probs and training",
+        {"wall_time": 130.0, "step": 3, "repeated": "log-probs and training", "seconds": 29.5,
+         "noticed_seconds": 0.0, "wait_seconds": 27.75, "shutdown_seconds": 0.5,
          "start_seconds": 25.0, "load_seconds": 1.5, "refit_seconds": 0.25},
-        {"wall_time": 260.5, "step": 9, "repeated": "refit",
-         "start_seconds": 19.0, "load_seconds": 1.0, "refit_seconds": 0.5},
+        {"wall_time": 260.5, "step": 9, "repeated": "none", "seconds": 20.0,
+         "noticed_seconds": 0.25, "wait_seconds": 0.0, "shutdown_seconds": 0.25,
+         "start_seconds": 9.0, "load_seconds": 1.0, "refit_seconds": 0.5},
     ]  # fmt: skip
     assert chaos.per_kill([100.0, 240.0], rows) == [
         {"step": 3, "repeated": "log-probs and training", "kill_to_resume_s": 30.0,
-         "startup_s": 25.0, "load_s": 1.5, "refit_s": 0.25, "rest_s": 3.25},
-        {"step": 9, "repeated": "refit", "kill_to_resume_s": 20.5,
-         "startup_s": 19.0, "load_s": 1.0, "refit_s": 0.5, "rest_s": 0.0},
+         "startup_s": 25.0, "load_s": 1.5, "refit_s": 0.25, "rest_s": 3.25, "seen_s": 0.5,
+         "relaunched_s": 27.5, "wait_s": 27.75},
+        {"step": 9, "repeated": "none", "kill_to_resume_s": 20.5,
+         "startup_s": 9.0, "load_s": 1.0, "refit_s": 0.5, "rest_s": 10.0, "seen_s": 0.5,
+         "relaunched_s": 11.0, "wait_s": 0.0},
     ]  # fmt: skip
     assert chaos.per_kill([100.0, 240.0], rows[:1])[0]["step"] == 3  # a kill not recovered
 
