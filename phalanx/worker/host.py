@@ -331,7 +331,9 @@ class WorkerHost:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
 
-faulthandler.enable()
+# A worker that crashes hard (a segfault in a C extension) dumps every thread's traceback to
+# its log; the process's own stderr, as a caller may have replaced sys.stderr (pytest does).
+faulthandler.enable(file=sys.__stderr__)
 
 
 def host_class_for(cls: type) -> type:
