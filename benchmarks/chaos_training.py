@@ -466,8 +466,10 @@ def main() -> None:
             print(f"  generation worker restarted at step {rec['step']} ({rec['reason']}): "
                   f"{rec['seconds']:.1f} s, its new process {rec['start_seconds']:.1f} s")  # fmt: skip
         if r["chaos"]:
-            print(f"  generation restarts {r['generation_restarts']}; steps redone "
-                  f"{len(r['recoveries'])} for {len(r['kills'])} kill(s); step rows 1..N "
+            redone = sum(1 for rec in r["recoveries"] if rec["repeated"] != "none")
+            print(f"  generation restarts {r['generation_restarts']}; policy recoveries "
+                  f"{len(r['recoveries'])} (a step part redone in {redone}) for "
+                  f"{len(r['kills'])} kill(s); step rows 1..N "
                   f"once each: {r['steps_in_order']}")  # fmt: skip
         if r["rc"] != 0:
             print(f"  stderr: {r['stderr_tail']}")
