@@ -22,10 +22,12 @@ import ray
 import torch
 
 import phalanx as px
-from phalanx.algorithms.grpo import GRPOConfig, train
+from phalanx.algorithms.grpo import train
 from phalanx.algorithms.grpo_recovery import PolicyRecovery
 from phalanx.algorithms.grpo_run import GRPORun
 from phalanx.observe.metrics import read_metrics
+from tests.algorithms.test_grpo_recovery import _weights
+from tests.algorithms.test_grpo_recovery_phases import _cfg
 from tests.helpers import until
 
 
@@ -67,32 +69,6 @@ def policy_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str, float]
 
 def recovery_rows(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in read_metrics(run_dir) if "recovery/seconds" in r]
-
-
-def _cfg(run_dir: Path, **overrides: Any) -> GRPOConfig:
-    base = dict(
-        run_dir=str(run_dir),
-        steps=2,
-        prompts_per_step=2,
-        samples_per_prompt=2,
-        train_micro_batch_size=2,
-        num_policy_workers=2,
-        warmup_steps=0,
-        eval_every=0,
-        checkpoint_every=1,
-        weight_decay=0.1,  # every step moves the weights, also one without an advantage
-        progress=False,
-    )
-    return GRPOConfig.tiny(**{**base, **overrides})
-
-
-def _weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    """The policy weights of checkpoint ``step_<step>`` (DCP folder -> one torch file)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = run_dir / f"weights_{step}.pt"
-    dcp_to_torch_save(str(run_dir / "checkpoints" / f"step_{step}" / "weights"), str(out))
-    return torch.load(out, weights_only=True)["model"]
 
 
 def _optimizer_steps(checkpoint: Path) -> tuple[int, float]:
