@@ -24,6 +24,7 @@ import threading
 from collections.abc import AsyncIterator, Coroutine, Iterable
 from typing import Any
 
+import psutil
 import torch
 
 from phalanx.comm.shm import Segment, segment_path
@@ -71,7 +72,7 @@ class AsyncEngine:
             """Keeps the peak of the scheduler's running-request count (on the loop)."""
 
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                pass
+                self.engine_index = engine_index  # vLLM's config: nothing read from it
 
             def record(self, scheduler_stats: Any, iteration_stats: Any, *_: Any, **__: Any):
                 if scheduler_stats is not None:
@@ -79,7 +80,7 @@ class AsyncEngine:
                     engine._running_peak = max(engine._running_peak, running)
 
             def log_engine_initialized(self) -> None:
-                pass
+                """Nothing to log: this logger only keeps the peak."""
 
         # A custom stat logger makes the engine core report its scheduler's counts; with
         # disable_log_stats vLLM adds no periodic log lines of its own.
@@ -180,47 +181,26 @@ def pin_process_tree(pid: int, cpus: set[int]) -> list[int]:
     """Run every thread of process ``pid``, and of the processes it started, only on
     ``cpus`` (Linux affinity); the pids pinned. A thread started meanwhile inherits its
     starter's affinity, so a process's threads are listed again until none is new."""
-    pinned: list[int] = []
-    todo = [pid]
-    while todo:
-        proc = todo.pop()
-        seen: set[str] = set()
-        while new := _threads(proc) - seen:
-            for tid in new:
-                try:
-                    os.sched_setaffinity(int(tid), cpus)
-                except ProcessLookupError:
-                    continue  # the thread ended
-            seen |= new
-        if seen:
-            pinned.append(proc)
-            todo.extend(_children(proc))
-    return pinned
-
-
-def _threads(pid: int) -> set[str]:
-    """The thread ids of process ``pid`` (none once it ended)."""
     try:
-        return set(os.listdir(f"/proc/{pid}/task"))
-    except FileNotFoundError:
-        return set()
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from each process's ``/proc`` stat line)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    pinned: list[int] = []
+    for proc in procs:
+        seen: set[int] = set()
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
+            while new := {t.id for t in proc.threads()} - seen:
+                for tid in new:
+                    try:
+                        os.sched_setaffinity(tid, cpus)
+                    except ProcessLookupError:
+                        continue  # the thread ended
+                seen |= new
+        except psutil.NoSuchProcess:
             continue  # it ended
-        # after the command name, which may hold spaces and parentheses: state, ppid, ...
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            out.append(int(entry))
-    return out
+        pinned.append(proc.pid)
+    return pinned
 
 
 Entry = tuple[str, str, int, str, list[int]]  # name, segment path, offset, dtype, shape
