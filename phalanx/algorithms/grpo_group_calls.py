@@ -6,6 +6,7 @@ policy workers."""
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -111,24 +112,31 @@ class PhaseMemory:
     ranks): the kernel's per-process high-water mark, reset when a phase starts.
 
     A group with a rank that stays dead is left out (0.0 when no group is left): the
-    measurement never ends a run, the group's next call of the run meets the death."""
+    measurement never ends a run, the group's next call of the run meets the death. A
+    measurement and a change of the groups (:meth:`drop`, :meth:`set_group`, from a policy
+    relaunch on another thread) take turns, so no measurement calls a group being shut
+    down."""
 
     def __init__(self, groups: dict[str, Any]):
-        self.groups = groups
+        self.groups = dict(groups)
+        self._lock = threading.Lock()
 
     def _all(self, fn) -> list[float]:
         from phalanx._base.errors import WorkerDiedError
 
         out = []
-        for g in self.groups.values():
-            calls = [(r, (), {}) for r in range(g.world_size)]
-            label = fn.__name__.strip("_")
-            try:
-                out.extend(
-                    _retry_once_after_death(functools.partial(g.apply, fn, calls, label=label), 60)
-                )
-            except WorkerDiedError:
-                continue
+        with self._lock:
+            for g in self.groups.values():
+                calls = [(r, (), {}) for r in range(g.world_size)]
+                label = fn.__name__.strip("_")
+                try:
+                    out.extend(
+                        _retry_once_after_death(
+                            functools.partial(g.apply, fn, calls, label=label), 60
+                        )
+                    )
+                except WorkerDiedError:
+                    continue
         return out
 
     def reset(self) -> None:
@@ -136,6 +144,16 @@ class PhaseMemory:
 
     def peak(self) -> float:
         return max(self._all(_peak_rss_gb), default=0.0)
+
+    def drop(self, group: Any) -> None:
+        """Measure ``group`` no more (once any measurement under way has ended)."""
+        with self._lock:
+            self.groups = {k: g for k, g in self.groups.items() if g is not group}
+
+    def set_group(self, name: str, group: Any) -> None:
+        """Measure ``group`` as ``name`` from now on."""
+        with self._lock:
+            self.groups = {**self.groups, name: group}
 
 
 def set_threads(worker: Any, n: int) -> int:

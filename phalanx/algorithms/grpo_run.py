@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import threading
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -232,24 +231,6 @@ def plan_run(cfg: GRPOConfig, task: Any, ckpt: str | None) -> RunPlan:
     )  # fmt: skip
 
 
-class _GuardedMemory(PhaseMemory):
-    """:class:`PhaseMemory` whose measurements and a policy relaunch's swap of its groups
-    take turns, so no measurement calls a group that a relaunch on another thread is
-    shutting down."""
-
-    def __init__(self, groups: dict[str, Any], lock: threading.Lock) -> None:
-        super().__init__(groups)
-        self._lock = lock
-
-    def reset(self) -> None:
-        with self._lock:
-            super().reset()
-
-    def peak(self) -> float:
-        with self._lock:
-            return super().peak()
-
-
 def progress_bar(cfg: GRPOConfig) -> Any:
     """The run's live progress display (a no-op with ``progress=False``)."""
     from phalanx.observe.progress import Progress
@@ -282,7 +263,6 @@ class GRPORun:
         self.warmed_up = False  # the warm-up ran before the policy (LoRA)
         self.cluster: Any = None
         self._generation_restarts = RestartWatch(lambda: self.generation)
-        self._memory_lock = threading.Lock()  # a policy relaunch swaps the measured groups
 
     def launch(self, cluster: Any, ckpt: str | None, metrics: Any) -> None:
         """The policy (from checkpoint ``ckpt`` when resuming) and generation groups, placed
@@ -333,7 +313,7 @@ class GRPORun:
         # Overlapping phases: the generators' memory is not a phase's (not measured).
         pg = self.policy.worker_group
         groups = {"policy": pg} if cfg.async_grpo else {"policy": pg, "generation": self.generation}
-        self.memory = _GuardedMemory(groups, self._memory_lock)
+        self.memory = PhaseMemory(groups)
         self.refitter = Refitter(self.policy, self.generation, cfg.refit_transport)
 
     def _place_policy(self, policy: Any) -> None:
@@ -356,8 +336,7 @@ class GRPORun:
         """
         cfg, plan = self.cfg, self.plan
         t = time.perf_counter()
-        with self._memory_lock:  # no measurement calls the old group from now on
-            self.memory.groups = {k: g for k, g in self.memory.groups.items() if g is not old}
+        self.memory.drop(old)  # no measurement calls the old group from now on
         # No clean-up call: the live ranks are stuck in a collective with the dead one.
         old.shutdown(timeout=5.0, force=True)
         t_down = time.perf_counter()
@@ -388,8 +367,7 @@ class GRPORun:
         """Make ``policy`` (from :meth:`start_policy_from`) the run's: the loop's calls,
         the memory measurement and the refits go to it."""
         self.policy = policy
-        with self._memory_lock:
-            self.memory.groups = {**self.memory.groups, "policy": policy.worker_group}
+        self.memory.set_group("policy", policy.worker_group)
         self.refitter.replace_policy(policy)
 
     def _start_policy(
