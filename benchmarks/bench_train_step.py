@@ -9,7 +9,7 @@ prompt and 8-64 response tokens, as the README command's steps have), another pr
 sample. Each step's rate (6 x parameters x unpadded tokens / step time) is divided by the
 mean of the two products around it; the median over steps is the RATIO.
 
-    python benchmarks/bench_train_step.py --steps 5
+    python benchmarks/bench_train_step.py --steps 5 [--logprob-kernel compiled]
 """
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument(
+        "--logprob-kernel", choices=("auto", "compiled", "eager"), default="auto",
+        help="the policy worker's log-prob kernel (auto: eager on a CPU)",
+    )  # fmt: skip
     args = ap.parse_args()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29541", RANK="0", WORLD_SIZE="1")
     os.environ.setdefault("LOCAL_RANK", "0")
@@ -72,6 +76,7 @@ def main() -> None:
         "max_total_sequence_length": max_seq,
         "precision": "float32",
         "max_grad_norm": 1.0,
+        "logprob_kernel": args.logprob_kernel,
         "optimizer": {"name": "torch.optim.AdamW", "kwargs": {"lr": 1e-7}},
         "dynamic_batching": {"enabled": True, "train_mb_tokens": budget,
                              "logprob_mb_tokens": budget, "sequence_length_round": 16},

@@ -52,14 +52,21 @@ def make_batch(rows: int, seq: int, vocab: int, lengths: torch.Tensor, pad: int)
 
 
 def policy_config(
-    path: str, rows: int, seq: int, mbs: int, device: str, chunk: int | None = None
+    path: str,
+    rows: int,
+    seq: int,
+    mbs: int,
+    device: str,
+    chunk: int | None = None,
+    kernel: str = "auto",
 ) -> dict:
     """The policy config of the measured worker: bf16 (float32 on a CPU, whose bf16 matrix
-    products are slow), dynamic batching, fused AdamW; ``chunk`` positions per log-prob
-    chunk (None: the worker's default)."""
+    products are slow), dynamic batching, fused AdamW; ``chunk`` positions per eager
+    log-prob chunk (None: the worker's default) and the log-prob ``kernel``."""
     kwargs = {"lr": 1e-5, **({"fused": True} if device == "cuda" else {})}
     return {
         **({"logprob_chunk_size": chunk} if chunk is not None else {}),
+        "logprob_kernel": kernel,
         "model_name": path,
         "precision": "bfloat16" if device == "cuda" else "float32",
         "train_global_batch_size": rows,
@@ -120,7 +127,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument(
         "--logprob-chunk-size", type=int, default=None,
-        help="positions per log-prob chunk of the policy worker (default: its own)",
+        help="positions per eager log-prob chunk of the policy worker (default: its own)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--logprob-kernel", choices=("auto", "compiled", "eager"), default="auto",
+        help="the policy worker's log-prob kernel (auto: compiled on a GPU with Triton)",
     )  # fmt: skip
     args = ap.parse_args(argv)
     if min(args.rows, args.seq, args.mbs, args.repeats) < 1:
@@ -131,6 +142,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import phalanx as px
     from phalanx.llm.flops import decoder_shape
+    from phalanx.llm.logprobs import kernel_runs
     from phalanx.llm.loss import NLLLoss
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,7 +154,9 @@ def main(argv: list[str] | None = None) -> dict:
     seq = min(args.seq, config.max_position_embeddings)
     lengths = batch_lengths(args.rows, seq, args.lengths)
     batch = make_batch(args.rows, seq, config.vocab_size, lengths, tokenizer.pad_token_id)
-    cfg = policy_config(path, args.rows, seq, args.mbs, device, args.logprob_chunk_size)
+    cfg = policy_config(
+        path, args.rows, seq, args.mbs, device, args.logprob_chunk_size, args.logprob_kernel
+    )
     shards, _ = px.BatchedDataDict(batch).shard_by_batch_size(
         1,
         batch_size=args.rows,
@@ -155,11 +169,13 @@ def main(argv: list[str] | None = None) -> dict:
     )
     rank0_env()
     worker = px.DTensorPolicyWorker(cfg, tokenizer, init_reference_model=False)
+    runs_before = kernel_runs()
     try:
         policy_s = timed(lambda: worker.train(shards[0], NLLLoss()), args.repeats)
         if args.profile:
             profile_summary(lambda: worker.train(shards[0], NLLLoss()), "phalanx train step")
     finally:
+        runs = {k: v - runs_before.get(k, 0) for k, v in kernel_runs().items()}
         worker.shutdown()
         worker.model = worker.optimizer = None  # free its memory before the baseline loads
         gc.collect()
@@ -195,6 +211,8 @@ def main(argv: list[str] | None = None) -> dict:
         seq=seq,
         mbs=args.mbs,
         logprob_chunk_size=args.logprob_chunk_size,
+        logprob_kernel=args.logprob_kernel,
+        logprob_kernel_runs={k: v for k, v in runs.items() if v},
         tokens=tokens,
         policy_tokens_per_s=round(tokens / policy_s),
         plain_tokens_per_s=round(tokens / plain_s),

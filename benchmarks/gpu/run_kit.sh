@@ -21,7 +21,8 @@ declare -A BENCHES=(
     [train_0.5b]="bench_train.py --model qwen2.5-0.5b --mbs 8 --profile"
     [train_1.5b]="bench_train.py --model qwen2.5-1.5b --mbs 8 --profile"
     [train_1.5b_varied]="bench_train.py --model qwen2.5-1.5b --mbs 8 --lengths varied"
-    [train_1.5b_onechunk]="bench_train.py --model qwen2.5-1.5b --mbs 8 --logprob-chunk-size 1024"
+    [train_1.5b_eager]="bench_train.py --model qwen2.5-1.5b --mbs 8 --logprob-kernel eager"
+    [logprobs]="bench_logprobs.py"
     [refit_1.5b]="bench_refit.py --model qwen2.5-1.5b"
     [generate_0.5b]="bench_generate.py --model qwen2.5-0.5b --prompts 8 --samples 8 --new 512 --prompt-len 64 --repeats 2"
     [generate_static_0.5b]="bench_generate.py --model qwen2.5-0.5b --prompts 8 --samples 8 --new 512 --prompt-len 64 --repeats 2 --static"
@@ -30,12 +31,12 @@ declare -A BENCHES=(
     [ipc]="bench_ipc.py"
 )
 declare -A LIMIT=(
-    [train_0.5b]=90 [train_1.5b]=120 [train_1.5b_varied]=90 [train_1.5b_onechunk]=90 [refit_1.5b]=90
+    [train_0.5b]=90 [train_1.5b]=120 [train_1.5b_varied]=90 [train_1.5b_eager]=90 [logprobs]=90 [refit_1.5b]=90
     [generate_0.5b]=120 [generate_static_0.5b]=400 [grpo_0.5b]=300 [ipc]=60
     [keep_state_0.5b]=120
 )
 # generate_static_0.5b is not in the default set: HF compiles its static-cache step for minutes
-ORDER=(train_0.5b train_1.5b train_1.5b_varied refit_1.5b generate_0.5b grpo_0.5b keep_state_0.5b ipc)
+ORDER=(train_0.5b train_1.5b train_1.5b_varied logprobs refit_1.5b generate_0.5b grpo_0.5b keep_state_0.5b ipc)
 run_tests=0
 benches=()
 if [ $# -eq 0 ]; then

@@ -1,71 +1,216 @@
-"""Log-probabilities of chosen tokens, computed in chunks of positions.
+"""Log-probabilities of chosen tokens, without a full-vocabulary float32 copy of the logits.
 
-``log_softmax(logits).gather(target)`` materialises a full-vocabulary float32 tensor as large
-as the logits (twice, under autograd: the result is kept for backward). Here each chunk of
-positions computes ``logit[target] - logsumexp(logits)`` and keeps only the chosen tokens'
-values, so the extra memory is one chunk's worth. Under autograd only the logits (no copy)
-and one float per position are kept, and the backward also goes chunk by chunk.
+``log_softmax(logits).gather(target)`` materialises a float32 tensor as large as the logits
+(kept for backward under autograd) and, from bfloat16 logits, a float32 cast of them too.
+Here the logits are read as the rows of a [positions, V] view and only the chosen tokens'
+values are kept; under autograd only the logits themselves (no copy) are saved. Two kernels
+compute the same values:
+
+- ``"compiled"``: ``torch.compile`` fuses the forward into one reduction over each row
+  (``logit[target] - logsumexp``, read straight from the model's dtype) and the backward into
+  one pointwise pass writing ``g * (onehot(target) - softmax)`` in the logits' dtype. The
+  logits are read twice and their gradient written once, with no temporary. The default on
+  a GPU with Triton.
+- ``"eager"``: stock ops over chunks of rows, each chunk's float32 temporaries bounded by
+  ``logprob_chunk_size`` positions per row. The default elsewhere (compiling costs seconds
+  per process, which short CPU runs and tests do not win back).
+
+``logprob_settings`` sets the chunk size and kernel for the code it wraps (the policy worker
+wraps its ``train`` and ``get_logprobs``, so the loss functions it calls use them too).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import contextvars
+import importlib.util
+import warnings
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-# Positions per chunk are chosen so that one chunk holds about this many logits. A GPU
-# pays a few kernel launches per chunk, so its chunks are larger (512 MB of float32).
+from phalanx.llm.policy_config import LOGPROB_KERNELS as KERNELS
+
+# Positions per eager chunk are chosen so that one chunk holds about this many logits.
 DEFAULT_CHUNK_ELEMENTS = {"cpu": 1 << 24, "cuda": 1 << 27}
+
+
+@dataclass(frozen=True)
+class LogprobSettings:
+    """How chosen-token log-probs are computed: ``chunk_size`` positions per eager chunk
+    (None: about 16M logits a chunk on the CPU, 128M on a GPU) and the ``kernel``
+    (``"auto"``: compiled on a GPU with Triton, else eager)."""
+
+    chunk_size: int | None = None
+    kernel: str = "auto"
+
+    def __post_init__(self) -> None:
+        size = self.chunk_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"logprob_chunk_size must be a positive int, got {size!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"logprob_kernel must be one of {KERNELS}, got {self.kernel!r}")
+
+
+_SETTINGS: contextvars.ContextVar[LogprobSettings] = contextvars.ContextVar(
+    "phalanx_logprob_settings",
+    default=LogprobSettings(),  # noqa: B039 (frozen)
+)
+
+
+@contextlib.contextmanager
+def logprob_settings(
+    chunk_size: int | None = None, kernel: str = "auto"
+) -> Generator[LogprobSettings, None, None]:
+    """Use ``chunk_size`` and ``kernel`` for the log-probs computed inside the block.
+
+    Raises:
+        ValueError: ``chunk_size`` is not a positive int or ``kernel`` not one of ``KERNELS``.
+    """
+    settings = LogprobSettings(chunk_size, kernel)
+    token = _SETTINGS.set(settings)
+    try:
+        yield settings
+    finally:
+        _SETTINGS.reset(token)
 
 
 def _chunk_positions(
     batch: int, vocab: int, chunk_size: int | None, device: torch.device | None = None
 ) -> int:
     if chunk_size is not None:
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ValueError(f"logprob_chunk_size must be a positive int, got {chunk_size!r}")
+        LogprobSettings(chunk_size)  # raises for a size that is not a positive int
         return chunk_size
     kind = "cuda" if device is not None and device.type == "cuda" else "cpu"
     return max(1, DEFAULT_CHUNK_ELEMENTS[kind] // max(1, batch * vocab))
 
 
-class _ChosenLogprobs(torch.autograd.Function):
-    """``logits[target] - logsumexp(logits)`` chunk by chunk, with a chunked backward.
+def _fused_forward(x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    xf = x.float()
+    lse = torch.logsumexp(xf, dim=-1)
+    return xf.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse, lse
 
-    Saved for backward: the logits themselves (no copy) and the [B, T] log-normalisers; the
-    backward writes ``grad * (onehot(target) - softmax)`` into one gradient buffer chunk by
-    chunk, so no full-size temporary besides the gradient the caller needs anyway.
+
+def _fused_backward(
+    x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor
+) -> torch.Tensor:
+    p = torch.exp(x.float() - lse.unsqueeze(-1))
+    hit = torch.arange(x.shape[-1], device=x.device) == targets.unsqueeze(-1)
+    return ((hit.float() - p) * grad.unsqueeze(-1)).to(x.dtype)
+
+
+_compiled: dict[str, Callable[..., Any]] = {}
+_compile_failed: list[str] = []  # why "auto" fell back to eager in this process
+_runs: collections.Counter[str] = collections.Counter()
+
+
+def kernel_runs() -> dict[str, int]:
+    """How many log-prob forwards each kernel computed in this process (``"compiled"``,
+    ``"eager"``): benchmarks report which one ran, since ``"auto"`` may fall back."""
+    return dict(_runs)
+
+
+def _compiled_kernels() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    if not _compiled:
+        # Dynamic shapes from the first call: every micro-batch has its own number of
+        # positions, and a recompile per shape would soon hit dynamo's limit (after which
+        # it runs the unfused function, with its full-size temporaries).
+        _compiled["forward"] = torch.compile(_fused_forward, dynamic=True)
+        _compiled["backward"] = torch.compile(_fused_backward, dynamic=True)
+    return _compiled["forward"], _compiled["backward"]
+
+
+def resolve_kernel(kernel: str, device: torch.device, plain: bool = True) -> str:
+    """The kernel ``"auto"`` stands for on ``device`` (in this process): ``"compiled"`` for
+    plain tensors (not DTensors: ``plain``) on a GPU with Triton unless compiling already
+    failed here, else ``"eager"``."""
+    if kernel != "auto":
+        return kernel
+    if not plain or device.type != "cuda" or _compile_failed:
+        return "eager"
+    return "compiled" if importlib.util.find_spec("triton") is not None else "eager"
+
+
+def _run_compiled(kernel: str, which: int, *args: torch.Tensor) -> Any:
+    """The compiled kernel ``which`` (0: forward, 1: backward) on ``args``; None when it
+    fails to compile under ``"auto"`` (a warning says why, and eager is used from then on)."""
+    try:
+        return _compiled_kernels()[which](*args)
+    except torch.OutOfMemoryError:
+        raise  # the eager kernel would not fit either
+    except Exception as exc:  # a compiler failure: Triton, a C++ toolchain, an unsupported op
+        if kernel == "compiled":
+            raise RuntimeError(
+                f"logprob_kernel='compiled': torch.compile failed ({type(exc).__name__}: "
+                f"{exc}); set logprob_kernel to 'eager' or 'auto'"
+            ) from exc
+        _compile_failed.append(f"{type(exc).__name__}: {exc}")
+        warnings.warn(
+            f"log-prob kernel: torch.compile failed ({_compile_failed[-1]}); using the eager "
+            "kernel in this process",
+            stacklevel=3,
+        )
+        return None
+
+
+class _ChosenLogprobs(torch.autograd.Function):
+    """``logits[target] - logsumexp(logits)`` for logits [B, L, V] and targets [B, T <= L].
+
+    Every one of the B * L positions is computed (a position past T gets target 0 and a
+    zero gradient), so that the logits are read as contiguous [B * L, V] rows.
     """
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, step: int) -> torch.Tensor:
-        B, T = targets.shape  # the first T positions of logits (it may hold more)
-        out = torch.empty((B, T), dtype=torch.float32, device=logits.device)
-        lse = torch.empty((B, T), dtype=torch.float32, device=logits.device)
-        for s in range(0, T, step):
-            e = min(s + step, T)
-            x = logits[:, s:e].float()
-            lse[:, s:e] = torch.logsumexp(x, dim=-1)
-            chosen = x.gather(-1, targets[:, s:e].unsqueeze(-1)).squeeze(-1)
-            out[:, s:e] = chosen - lse[:, s:e]
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.step = step
-        return out
+    def forward(
+        ctx: Any, logits: torch.Tensor, targets: torch.Tensor, settings: LogprobSettings
+    ) -> torch.Tensor:
+        B, T = targets.shape
+        L, V = logits.shape[1], logits.shape[2]
+        rows = logits.reshape(B * L, V)
+        full = targets.new_zeros((B, L))
+        full[:, :T] = targets
+        full = full.reshape(-1)
+        kernel = resolve_kernel(settings.kernel, logits.device, type(logits) is torch.Tensor)
+        step = B * _chunk_positions(B, V, settings.chunk_size, logits.device)
+        got = _run_compiled(settings.kernel, 0, rows, full) if kernel == "compiled" else None
+        if got is not None:
+            out, lse = got
+        else:
+            kernel = "eager"
+            out = torch.empty(B * L, dtype=torch.float32, device=logits.device)
+            lse = torch.empty_like(out)
+            for s in range(0, B * L, step):
+                x, t = rows[s : s + step].float(), full[s : s + step].unsqueeze(-1)
+                out[s : s + step] = torch.log_softmax(x, dim=-1).gather(-1, t).squeeze(-1)
+                lse[s : s + step] = x.gather(-1, t).squeeze(-1) - out[s : s + step]
+        ctx.save_for_backward(logits, full, lse)
+        _runs[kernel] += 1
+        ctx.kernel, ctx.requested, ctx.step, ctx.T = kernel, settings.kernel, step, T
+        return out.view(B, L)[:, :T].contiguous()
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        logits, targets, lse = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        T, step = targets.shape[1], ctx.step
-        grad[:, T:] = 0
-        for s in range(0, T, step):
-            e = min(s + step, T)
-            g = grad_out[:, s:e].float().unsqueeze(-1)
-            p = torch.exp(logits[:, s:e].float() - lse[:, s:e].unsqueeze(-1))
-            chunk = p.mul_(-g)
-            chunk.scatter_add_(-1, targets[:, s:e].unsqueeze(-1), g)
-            grad[:, s:e] = chunk.to(grad.dtype)
-        return grad, None, None
+        logits, full, lse = ctx.saved_tensors
+        B, L, V = logits.shape
+        rows = logits.reshape(B * L, V)
+        g = torch.zeros((B, L), dtype=torch.float32, device=logits.device)
+        g[:, : ctx.T] = grad_out
+        g = g.reshape(-1)
+        if ctx.kernel == "compiled":
+            grad = _run_compiled(ctx.requested, 1, rows, full, lse, g)
+            if grad is not None:
+                return grad.view(B, L, V), None, None
+        grad = torch.empty((B * L, V), dtype=logits.dtype, device=logits.device)
+        for s in range(0, B * L, ctx.step):
+            e = s + ctx.step
+            gs = g[s:e].unsqueeze(-1)
+            p = torch.sub(rows[s:e], lse[s:e].unsqueeze(-1)).exp_()  # float32: lse promotes
+            p.mul_(-gs).scatter_add_(-1, full[s:e].unsqueeze(-1), gs)
+            grad[s:e] = p
+        return grad.view(B, L, V), None, None
 
 
 def chosen_token_logprobs(
@@ -74,19 +219,20 @@ def chosen_token_logprobs(
     """``log p(targets[b, t])`` under ``logits[b, t]``: [B, T] float32 from logits
     [B, >= T, V] (positions past T are not used) and targets [B, T].
 
-    ``chunk_size`` is the number of positions per chunk (default: about 16M logits a chunk
-    on the CPU, 128M on a GPU).
-    Differentiable with respect to ``logits``.
+    ``chunk_size`` (positions per eager chunk) overrides ``logprob_settings``'s; the kernel
+    is the one ``logprob_settings`` names. Differentiable with respect to ``logits``.
     """
     B, T = targets.shape
     if logits.ndim != 3 or logits.shape[0] != B or logits.shape[1] < T:
         raise ValueError(
             f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree"
         )
-    step = _chunk_positions(B, logits.shape[2], chunk_size, logits.device)
+    settings = _SETTINGS.get()
+    if chunk_size is not None:
+        settings = LogprobSettings(chunk_size, settings.kernel)
     if T == 0:
         return logits.new_zeros((B, 0), dtype=torch.float32)
-    return _ChosenLogprobs.apply(logits, targets.to(logits.device), step)
+    return _ChosenLogprobs.apply(logits, targets.to(logits.device), settings)
 
 
 def token_logprobs(
@@ -103,7 +249,8 @@ def entropy_sum(
 ) -> torch.Tensor:
     """Sum over ``mask`` of the entropy of ``logits`` [B, T, V] (mask [B, T]), chunked."""
     B, T, V = logits.shape
-    step = _chunk_positions(B, V, chunk_size, logits.device)
+    chunk = chunk_size if chunk_size is not None else _SETTINGS.get().chunk_size
+    step = _chunk_positions(B, V, chunk, logits.device)
     total = torch.zeros((), dtype=torch.float32, device=logits.device)
     for s in range(0, T, step):
         logp = torch.log_softmax(logits[:, s : s + step].float(), dim=-1)

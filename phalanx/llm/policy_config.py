@@ -15,6 +15,7 @@ Keys phalanx reads::
     train_micro_batch_size        rows per forward/backward on one rank
     logprob_batch_size            rows per forward in get_logprobs
     logprob_chunk_size            positions per chunk when computing log-probs
+    logprob_kernel                "auto" | "compiled" | "eager" (phalanx's; ``logprobs.py``)
     max_total_sequence_length     longest input accepted
     precision                     "float32" | "bfloat16" | "float16" (FSDP2 mixed precision)
     max_grad_norm                 gradient clipping (None: no clipping)
@@ -53,6 +54,9 @@ class ConfigError(ValueError, AssertionError):
     """A policy config value phalanx cannot use; the message names the key."""
 
 
+# How log-probs are computed (``logprobs.py``): "auto" is "compiled" on a GPU with Triton.
+LOGPROB_KERNELS = ("auto", "compiled", "eager")
+
 PRECISIONS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Top-level keys. "used": read by the policy worker or Policy. "caller": part of NeMo-RL's
@@ -84,6 +88,7 @@ _USED = {
     "seed",
     "profile_dir",
     "refit_buffer_size_mb",
+    "logprob_kernel",
 }
 _CALLER = {"tokenizer", "generation_batch_size"}
 # Read by nothing in NeMo-RL either (its own test configs still carry it).
@@ -171,6 +176,10 @@ def check_policy_config(config: dict[str, Any]) -> None:
             positive_int(config[key], key)
     if config.get("seed") is not None:
         _int(config["seed"], "seed", 0)
+    if config.get("logprob_kernel", "auto") not in LOGPROB_KERNELS:
+        raise ConfigError(
+            f"logprob_kernel must be one of {LOGPROB_KERNELS}, got {config['logprob_kernel']!r}"
+        )
     for key in ("max_grad_norm", "refit_buffer_size_gb", "refit_buffer_size_mb"):
         if config.get(key) is not None:
             _number(config[key], key)

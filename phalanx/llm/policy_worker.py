@@ -54,7 +54,7 @@ from phalanx.llm.fsdp_state import (
     unshard_fsdp2_model,
 )
 from phalanx.llm.kept_state import KeptState
-from phalanx.llm.logprobs import chosen_token_logprobs
+from phalanx.llm.logprobs import chosen_token_logprobs, logprob_settings
 from phalanx.llm.lora import disabled_adapters, load_adapters, save_adapters
 from phalanx.llm.loss import (
     LossFunction,
@@ -177,6 +177,7 @@ class DTensorPolicyWorker(Worker):
         self.dtype = PRECISIONS[self.cfg.get("precision", "float32")]
         self.temperature = logits_temperature(self.cfg)
         self.logprob_chunk_size = self.cfg.get("logprob_chunk_size")
+        self.logprob_kernel = self.cfg.get("logprob_kernel") or "auto"
         # dtensor_cfg._v2: NeMo-RL's Automodel worker; phalanx runs this worker with its
         # observable differences (per-micro-batch metrics).
         self.automodel_metrics = bool(dcfg.get("_v2", False))
@@ -427,69 +428,13 @@ class DTensorPolicyWorker(Worker):
                 f"train: rank {self.rank} holds {n_gb} global batches but another policy rank "
                 "holds more; every data-parallel rank needs the same number"
             )
-        defer_sync = (self.cfg.get("dtensor_cfg") or {}).get("defer_fsdp_grad_sync", True)
         self.model.train(not eval_mode)
         losses, grad_norms, mb_metrics = [], [], {}
-        for gb in batches:
-            sample_mask = gb.get("sample_mask", torch.ones(gb.size))
-            local_seqs = sample_mask.float().sum()
-            if "token_mask" in gb:
-                local_toks = (gb["token_mask"][:, 1:].float() * sample_mask.float()[:, None]).sum()
-            else:  # NeMo-RL: every token of every valid sequence
-                local_toks = local_seqs * gb["input_ids"].shape[1]
-            counts = self._all_reduce(
-                torch.stack([local_toks.cpu(), local_seqs.cpu()]), group=self._dp_group
-            )
-            global_toks, global_seqs = counts[0], counts[1]
-            if not eval_mode:
-                self.optimizer.zero_grad(set_to_none=True)
-            micro = [mb for mb in micro_batches(gb, mbs, self.mode, "train") if mb.size]
-            n_mb = self._max_over_ranks(len(micro))
-            gb_loss = torch.zeros((), device=self.device)
-            for i in range(n_mb):
-                self._clear_cache_step(i)
-                for hook in self._microbatch_hooks:
-                    hook()
-                if hasattr(self.model, "set_requires_gradient_sync"):
-                    self.model.set_requires_gradient_sync(i == n_mb - 1 or not defer_sync)
-                with torch.set_grad_enabled(not eval_mode), contextlib.ExitStack() as stack:
-                    metrics = None
-                    if i >= len(micro):  # this rank has fewer micro-batches: a no-op step
-                        loss = self._dummy_logits(stack).sum() * 0.0
-                    else:
-                        mb = micro[i].to(self.device)
-                        if self.mode == "packed":
-                            packed_logits, packed = self._packed_logits(mb, stack)
-                            T = mb["input_ids"].shape[1]
-                            logits = unpack_to_rows(packed_logits, packed, T).float()
-                        else:
-                            start = self._loss_start(mb, loss_fn)
-                            logits = self._forward_logits(mb["input_ids"], stack, start=start)
-                            logits = logits.float()
-                            mb = drop_leading_positions(mb, start)
-                        loss, metrics = loss_fn(logits, mb, global_seqs, global_toks)
-                    if not eval_mode:
-                        # FSDP averages gradients over dp ranks; the loss is already a
-                        # share of the global mean, so undo that average.
-                        (loss * self.dp_size).backward()
-                if metrics is not None:
-                    gb_loss += loss.detach()
-                    if self.automodel_metrics:  # NeMo-RL's v2 worker adds these
-                        metrics = {
-                            **metrics,
-                            "lr": self.optimizer.param_groups[0]["lr"] if self.optimizer else None,
-                            "global_valid_seqs": float(global_seqs),
-                            "global_valid_toks": float(global_toks),
-                        }
-                    for k, v in metrics.items():
-                        mb_metrics.setdefault(k, []).append(v)
-            grad_norm = torch.zeros(())
-            if not eval_mode:
-                params = list(self.model.parameters())
-                grad_norm = clip_grad_norm(params, self.cfg.get("max_grad_norm"))
-                self.optimizer.step()
-            losses.append(self._all_reduce(gb_loss, group=self._dp_group).cpu())
-            grad_norms.append(grad_norm)
+        with logprob_settings(self.logprob_chunk_size, self.logprob_kernel):
+            for gb in batches:
+                loss, grad_norm = self._train_global_batch(gb, loss_fn, mbs, eval_mode, mb_metrics)
+                losses.append(loss)
+                grad_norms.append(grad_norm)
         lr = self.optimizer.param_groups[0]["lr"] if self.optimizer is not None else None
         if not eval_mode:
             self.optimizer.zero_grad(set_to_none=True)  # free the gradients until next time
@@ -506,6 +451,76 @@ class DTensorPolicyWorker(Worker):
             "model_dtype": self.dtype,
             "all_mb_metrics": mb_metrics,
         }
+
+    def _train_global_batch(
+        self,
+        gb: BatchedDataDict,
+        loss_fn: LossFunction,
+        mbs: int,
+        eval_mode: bool,
+        mb_metrics: dict[str, list[Any]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One global batch of ``train``: forward and backward per micro-batch, then one
+        optimizer step (none in ``eval_mode``). Appends each micro-batch's metrics to
+        ``mb_metrics``; returns the batch's loss (summed over dp ranks) and gradient norm."""
+        defer_sync = (self.cfg.get("dtensor_cfg") or {}).get("defer_fsdp_grad_sync", True)
+        sample_mask = gb.get("sample_mask", torch.ones(gb.size))
+        local_seqs = sample_mask.float().sum()
+        if "token_mask" in gb:
+            local_toks = (gb["token_mask"][:, 1:].float() * sample_mask.float()[:, None]).sum()
+        else:  # NeMo-RL: every token of every valid sequence
+            local_toks = local_seqs * gb["input_ids"].shape[1]
+        counts = self._all_reduce(
+            torch.stack([local_toks.cpu(), local_seqs.cpu()]), group=self._dp_group
+        )
+        global_toks, global_seqs = counts[0], counts[1]
+        if not eval_mode:
+            self.optimizer.zero_grad(set_to_none=True)
+        micro = [mb for mb in micro_batches(gb, mbs, self.mode, "train") if mb.size]
+        n_mb = self._max_over_ranks(len(micro))
+        gb_loss = torch.zeros((), device=self.device)
+        for i in range(n_mb):
+            self._clear_cache_step(i)
+            for hook in self._microbatch_hooks:
+                hook()
+            if hasattr(self.model, "set_requires_gradient_sync"):
+                self.model.set_requires_gradient_sync(i == n_mb - 1 or not defer_sync)
+            with torch.set_grad_enabled(not eval_mode), contextlib.ExitStack() as stack:
+                metrics = None
+                if i >= len(micro):  # this rank has fewer micro-batches: a no-op step
+                    loss = self._dummy_logits(stack).sum() * 0.0
+                else:
+                    mb = micro[i].to(self.device)
+                    if self.mode == "packed":
+                        packed_logits, packed = self._packed_logits(mb, stack)
+                        T = mb["input_ids"].shape[1]
+                        logits = unpack_to_rows(packed_logits, packed, T)
+                    else:
+                        start = self._loss_start(mb, loss_fn)
+                        logits = self._forward_logits(mb["input_ids"], stack, start=start)
+                        mb = drop_leading_positions(mb, start)
+                    loss, metrics = loss_fn(logits, mb, global_seqs, global_toks)
+                if not eval_mode:
+                    # FSDP averages gradients over dp ranks; the loss is already a
+                    # share of the global mean, so undo that average.
+                    (loss * self.dp_size).backward()
+            if metrics is not None:
+                gb_loss += loss.detach()
+                if self.automodel_metrics:  # NeMo-RL's v2 worker adds these
+                    metrics = {
+                        **metrics,
+                        "lr": self.optimizer.param_groups[0]["lr"] if self.optimizer else None,
+                        "global_valid_seqs": float(global_seqs),
+                        "global_valid_toks": float(global_toks),
+                    }
+                for k, v in metrics.items():
+                    mb_metrics.setdefault(k, []).append(v)
+        grad_norm = torch.zeros(())
+        if not eval_mode:
+            params = list(self.model.parameters())
+            grad_norm = clip_grad_norm(params, self.cfg.get("max_grad_norm"))
+            self.optimizer.step()
+        return self._all_reduce(gb_loss, group=self._dp_group).cpu(), grad_norm
 
     # ------------------------------------------------------------------ log-probs
     @torch.no_grad()
@@ -539,26 +554,25 @@ class DTensorPolicyWorker(Worker):
         # FSDP forwards are collective: every rank runs as many as the busiest one.
         n_max = self._max_over_ranks(len(micro))
         out = torch.zeros((B, T), dtype=torch.float32)
-        for i in range(n_max):
-            with contextlib.ExitStack() as stack:
-                if i >= len(micro):
-                    self._dummy_logits(stack)
-                    continue
-                start, mb = micro[i]
-                chunk = mb["input_ids"]
-                if self.mode == "packed":
-                    logits, packed = self._packed_logits(mb, stack)
-                    lp = chosen_token_logprobs(
-                        logits, packed.input_ids[:, 1:], self.logprob_chunk_size
-                    )
-                    tok = unpack_token_logprobs(lp, packed, chunk.shape[1])
-                else:
-                    logits = self._forward_logits(chunk, stack)
-                    lp = chosen_token_logprobs(logits, chunk[:, 1:], self.logprob_chunk_size)
-                    tok = torch.cat([lp.new_zeros((lp.shape[0], 1)), lp], dim=1)
-                del logits
-            n, width = tok.shape
-            out[start : start + n, :width] = tok.cpu()
+        with logprob_settings(self.logprob_chunk_size, self.logprob_kernel):
+            for i in range(n_max):
+                with contextlib.ExitStack() as stack:
+                    if i >= len(micro):
+                        self._dummy_logits(stack)
+                        continue
+                    start, mb = micro[i]
+                    chunk = mb["input_ids"]
+                    if self.mode == "packed":
+                        logits, packed = self._packed_logits(mb, stack)
+                        lp = chosen_token_logprobs(logits, packed.input_ids[:, 1:])
+                        tok = unpack_token_logprobs(lp, packed, chunk.shape[1])
+                    else:
+                        logits = self._forward_logits(chunk, stack)
+                        lp = chosen_token_logprobs(logits, chunk[:, 1:])
+                        tok = torch.cat([lp.new_zeros((lp.shape[0], 1)), lp], dim=1)
+                    del logits
+                n, width = tok.shape
+                out[start : start + n, :width] = tok.cpu()
         pos = torch.arange(T).unsqueeze(0)
         out = out * (pos < lengths.cpu().unsqueeze(1)).float()
         return BatchedDataDict(logprobs=out)

@@ -21,6 +21,7 @@ import _common  # noqa: E402
 import bench_generate  # noqa: E402
 import bench_grpo  # noqa: E402
 import bench_keep_state  # noqa: E402
+import bench_logprobs  # noqa: E402
 import bench_refit  # noqa: E402
 import bench_train  # noqa: E402
 
@@ -70,11 +71,12 @@ def test_model_path_reuses_a_built_architecture(tmp_path, monkeypatch):
 def test_train_benchmark_runs_both_loops_on_the_same_tokens(tiny_model, dist_env, capsys):
     rec = bench_train.main(
         ["--model", tiny_model, "--rows", "8", "--seq", "32", "--mbs", "2", "--repeats", "1"]
-        + ["--lengths", "varied", "--logprob-chunk-size", "7"]
+        + ["--lengths", "varied", "--logprob-chunk-size", "7", "--logprob-kernel", "eager"]
     )
     lengths = bench_train.batch_lengths(8, 32, "varied")
     assert rec["tokens"] == int(lengths.sum()) and rec["lengths"] == "varied"
-    assert rec["logprob_chunk_size"] == 7
+    assert rec["logprob_chunk_size"] == 7 and rec["logprob_kernel"] == "eager"
+    assert set(rec["logprob_kernel_runs"]) == {"eager"}  # the worker's loss used the setting
     assert rec["policy_tokens_per_s"] > 0 and rec["plain_tokens_per_s"] > 0
     slowest = min(rec["policy_tokens_per_s"], rec["plain_tokens_per_s"])  # rounded to ints
     assert rec["ratio"] == pytest.approx(
@@ -86,6 +88,18 @@ def test_train_benchmark_runs_both_loops_on_the_same_tokens(tiny_model, dist_env
     assert bench_train.batch_lengths(4, 16, "uniform").tolist() == [16] * 4
     with pytest.raises(SystemExit):
         bench_train.main(["--model", tiny_model, "--rows", "6", "--mbs", "4"])
+
+
+def test_logprob_benchmark_times_both_kernels_against_log_softmax(capsys):
+    rec = bench_logprobs.main(["--rows", "2", "--seq", "16", "--vocab", "64", "--repeats", "1"])
+    assert rec["shape"] == [2, 17, 64] and rec["dtype"] == "float32"
+    assert set(rec["ms"]) == {"log_softmax", "eager", "compiled"}
+    assert all(v > 0 for v in rec["ms"].values())
+    assert rec["ratio"] == pytest.approx(rec["ms"]["log_softmax"] / rec["ms"]["compiled"], rel=0.02)
+    assert max(rec["max_abs_error"].values()) < 1e-4  # the same log-probs
+    out = capsys.readouterr().out
+    assert "RATIO logprobs_eager/log_softmax = " in out
+    assert "RATIO logprobs_compiled/log_softmax = " in out
 
 
 def test_the_plain_loop_trains_the_masked_tokens_only(tiny_model):

@@ -105,3 +105,63 @@ def test_default_chunks_hold_more_positions_on_a_gpu() -> None:
     assert _chunk_positions(1, vocab, None, torch.device("cpu")) == (1 << 24) // vocab == 110
     assert _chunk_positions(1, vocab, None, torch.device("cuda")) == (1 << 27) // vocab == 883
     assert _chunk_positions(8, vocab, 1024, torch.device("cuda")) == 1024
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_kernel_equals_eager_in_values_and_gradients(dtype) -> None:
+    """torch.compile's fused kernel (here inductor's CPU backend) against the eager chunks:
+    the same log-probs and logit gradients, zero gradient past the targets, and the
+    gradient in the logits' dtype."""
+    from phalanx.llm.logprobs import kernel_runs, logprob_settings
+
+    g = torch.Generator().manual_seed(4)
+    base = (torch.randn(3, 10, 64, generator=g) * 3).to(dtype)
+    targets = torch.randint(0, 64, (3, 8), generator=g)  # 2 positions past the targets
+    weights = torch.randn(3, 8, generator=g)
+    results = {}
+    for kernel in ("eager", "compiled"):
+        before = kernel_runs().get(kernel, 0)
+        x = base.clone().requires_grad_()
+        with logprob_settings(chunk_size=3, kernel=kernel):
+            lp = chosen_token_logprobs(x, targets)
+        (lp * weights).sum().backward()
+        assert kernel_runs()[kernel] == before + 1
+        assert x.grad.dtype == dtype and lp.dtype == torch.float32
+        assert (x.grad[:, 8:] == 0).all()
+        results[kernel] = (lp.detach(), x.grad.float())
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 0}
+    torch.testing.assert_close(results["compiled"][0], results["eager"][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results["compiled"][1], results["eager"][1], **tol)
+    full = torch.log_softmax(base.float(), -1)[:, :8].gather(-1, targets.unsqueeze(-1))
+    torch.testing.assert_close(results["compiled"][0], full.squeeze(-1), atol=1e-5, rtol=1e-5)
+
+
+def test_logprob_settings_choose_the_kernel_and_check_their_values() -> None:
+    from phalanx.llm.logprobs import LogprobSettings, kernel_runs, logprob_settings, resolve_kernel
+
+    assert resolve_kernel("auto", torch.device("cpu")) == "eager"
+    assert resolve_kernel("compiled", torch.device("cpu")) == "compiled"
+    # a GPU gets the compiled kernel only where Triton can be imported
+    import importlib.util
+
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert resolve_kernel("auto", torch.device("cuda")) == ("compiled" if has_triton else "eager")
+    before = kernel_runs().get("eager", 0)
+    with logprob_settings(kernel="eager"):
+        token_logprobs(torch.randn(1, 4, 9), torch.randint(0, 9, (1, 4)))
+    assert kernel_runs()["eager"] == before + 1
+    with pytest.raises(ValueError, match="logprob_kernel must be one of"):
+        LogprobSettings(kernel="fast")
+    lp = None
+    with pytest.raises(ValueError, match="logprob_chunk_size"), logprob_settings(chunk_size=0):
+        lp = token_logprobs(torch.randn(1, 4, 9), torch.randint(0, 9, (1, 4)))
+    assert lp is None  # refused before the block ran
+
+
+def test_the_policy_config_checks_logprob_kernel() -> None:
+    from phalanx.llm.policy_config import ConfigError, check_policy_config
+
+    check_policy_config({"model_name": "m", "logprob_kernel": "compiled"})
+    with pytest.raises(ConfigError, match="logprob_kernel must be one of"):
+        check_policy_config({"model_name": "m", "logprob_kernel": "triton"})
