@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from phalanx.llm.policy_config import LOGPROB_KERNELS
+
 PROMPT = 40
 
 
@@ -51,7 +53,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument(
-        "--logprob-kernel", choices=("auto", "compiled", "eager"), default="auto",
+        "--logprob-kernel", choices=LOGPROB_KERNELS, default="auto",
         help="the policy worker's log-prob kernel (auto: eager on a CPU)",
     )  # fmt: skip
     args = ap.parse_args()

@@ -26,6 +26,8 @@ import tempfile
 
 import torch
 
+from phalanx.llm.policy_config import LOGPROB_KERNELS
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import bf16_peak_flops, model_path, profile_summary, rank0_env, report, timed  # noqa: E402
 
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="positions per eager log-prob chunk of the policy worker (default: its own)",
     )  # fmt: skip
     ap.add_argument(
-        "--logprob-kernel", choices=("auto", "compiled", "eager"), default="auto",
+        "--logprob-kernel", choices=LOGPROB_KERNELS, default="auto",
         help="the policy worker's log-prob kernel (auto: compiled on a GPU with Triton)",
     )  # fmt: skip
     args = ap.parse_args(argv)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import functools
 import importlib.util
 import warnings
 from collections.abc import Callable, Generator
@@ -131,7 +132,12 @@ def resolve_kernel(kernel: str, device: torch.device, plain: bool = True) -> str
         return kernel
     if not plain or device.type != "cuda" or _compile_failed:
         return "eager"
-    return "compiled" if importlib.util.find_spec("triton") is not None else "eager"
+    return "compiled" if _has_triton() else "eager"
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None  # asked once: it searches sys.path
 
 
 def _run_compiled(kernel: str, which: int, *args: torch.Tensor) -> Any:
