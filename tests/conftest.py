@@ -5,7 +5,9 @@ shuts the shared one down; the next test that asks for ``cluster`` starts it aga
 
 ``--max-test-seconds S`` (CI passes 60) fails the session when a test takes longer than S
 (set-up, call and tear-down together) without ``@pytest.mark.slow(reason=...)``; a ``slow``
-marker without a reason is refused at collection. docs/testing.md lists what each test costs.
+marker without a reason fails the test at set-up. Both hold when the suite runs in
+pytest-xdist workers (the README's command), each of which starts its own shared Ray.
+docs/testing.md lists what each test costs.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def tokenizer(model_path):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-# seconds per test id; the ids marked slow with a reason; those over --max-test-seconds
+# seconds per test id; the ids marked slow; those over --max-test-seconds
 _took: dict = {"seconds": {}, "slow": set(), "over": []}
 
 
@@ -115,19 +117,17 @@ def _slow_reason(item: pytest.Item) -> str | None:
     return marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    unexplained = [item.nodeid for item in items if _slow_reason(item) == ""]
-    if unexplained:
-        raise pytest.UsageError(
-            "slow marker without a reason (write @pytest.mark.slow(reason=...)): "
-            + ", ".join(unexplained)
-        )
-    _took["slow"] = {item.nodeid for item in items if _slow_reason(item)}
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # At set-up, not collection: a pytest-xdist worker's collection error loses its message.
+    if _slow_reason(item) == "":
+        pytest.fail("slow marker without a reason (write @pytest.mark.slow(reason=...))")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     seconds = _took["seconds"]
     seconds[report.nodeid] = seconds.get(report.nodeid, 0.0) + report.duration
+    if "slow" in report.keywords:  # the report, not the item: pytest-xdist's controller
+        _took["slow"].add(report.nodeid)  # sees reports only
 
 
 def pytest_sessionfinish(session, exitstatus):

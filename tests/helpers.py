@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 import threading
 import time
@@ -109,3 +110,31 @@ def shm_files(tensors: Iterable[Any]) -> tuple[set[str], int]:
         files |= hit
         private += not hit
     return files, private
+
+
+_CORE_WORKER_LOG = re.compile(r"^python-core-worker-[0-9a-f]+_(\d+)\.log$")
+_SEGMENT = re.compile(r"^px_[A-Za-z0-9]+_(\d+)-")
+
+
+def ray_worker_pids() -> set[int]:
+    """The pids of every worker process the connected Ray has started, alive or gone (from
+    its session's log names). A check of something the whole machine shares (/dev/shm)
+    uses it to ignore another Ray's processes: the suite runs in two pytest-xdist workers,
+    each with its own Ray."""
+    import ray
+
+    pids: set[int] = set()
+    for node in ray.nodes() if ray.is_initialized() else []:
+        logs = Path(node["RayletSocketName"]).parents[1] / "logs"
+        for folder in (logs, logs / "old"):
+            names = os.listdir(folder) if folder.is_dir() else []
+            pids.update(int(m.group(1)) for m in map(_CORE_WORKER_LOG.match, names) if m)
+    return pids
+
+
+def our_segments(names: Iterable[str]) -> dict[str, int]:
+    """Those phalanx /dev/shm segment names (``px_<tag>_<pid>-...``) made by this process or
+    by a worker of the connected Ray, each with the pid that made it."""
+    ours = ray_worker_pids() | {os.getpid()}
+    owners = {n: int(m.group(1)) for n in names if (m := _SEGMENT.match(n))}
+    return {n: pid for n, pid in owners.items() if pid in ours}

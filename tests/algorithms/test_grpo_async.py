@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import threading
 from typing import Any
@@ -35,6 +34,7 @@ from tests.helpers import (
     die_in_next_train,
     kill_generation_after_step_1,
     kill_plan,
+    our_segments,
     until,
 )
 
@@ -167,17 +167,10 @@ def _tiny_async(run_dir: str, **overrides) -> GRPOConfig:
     return GRPOConfig.tiny(**base)
 
 
-_SEGMENT = re.compile(r"^px_[A-Za-z0-9]+_(\d+)-")
-
-
 def _leaked_segments(before: set[str]) -> list[str]:
-    """New /dev/shm segments of this process, or of a process that is gone."""
-    out = []
-    for name in set(os.listdir("/dev/shm")) - before:
-        m = _SEGMENT.match(name)
-        if m and (int(m.group(1)) == os.getpid() or not os.path.exists(f"/proc/{m.group(1)}")):
-            out.append(name)
-    return out
+    """New /dev/shm segments of this process, or of a worker of this Ray that is gone."""
+    new = our_segments(set(os.listdir("/dev/shm")) - before)
+    return [n for n, pid in new.items() if pid == os.getpid() or not os.path.exists(f"/proc/{pid}")]
 
 
 def _our_actors() -> list[str]:
