@@ -1,7 +1,7 @@
 """Helpers the tests share: polling with a deadline (never a sleep as synchronisation),
-which /dev/shm files a process's tensors live in, loading a benchmark script, killing a
-GRPO run's generation worker after its first step, and making a policy rank die at a named
-point of a GRPO step."""
+which /dev/shm files a process's tensors live in, which /dev/shm segments this test
+process's own Ray made, loading a benchmark script, killing a GRPO run's generation worker
+after its first step, and making a policy rank die at a named point of a GRPO step."""
 
 from __future__ import annotations
 
