@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -33,6 +34,15 @@ from phalanx._base.errors import GroupTimeoutError
 STACKS_TIMEOUT_S = 5.0
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 _PYSPY_FRAME = re.compile(r"^\s+(\S+) \(([^)]+:\d+)\)$", re.MULTILINE)
+_STDLIB = os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+
+def _in_stdlib(path: str) -> bool:
+    """Whether a frame's file is in the Python standard library (frozen modules too)."""
+    if path.startswith("<frozen"):
+        return True
+    real = os.path.realpath(path)
+    return real.startswith(_STDLIB) and os.sep + "site-packages" + os.sep not in real
 
 
 class Members(Protocol):
@@ -108,6 +118,10 @@ class HangReport:
     def innermost(self, rank: int) -> str:
         """The innermost frame of the thread running the call (best guess), as text.
 
+        Frames of the Python standard library are passed over (a rank polling
+        ``os.path.exists`` is reported in the function that polls), unless every frame
+        of the thread is one.
+
         Args:
             rank: the rank.
 
@@ -115,22 +129,19 @@ class HangReport:
             ``function (file:line)``, or ``""`` if unknown.
         """
         stack = self.stacks.get(rank, "")
+        pyspy = stack.startswith("(py-spy)")
         best = ""
-        if stack.startswith("(py-spy)"):
-            # py-spy lists each thread's frames innermost first: "    fn (file.py:12)".
-            for block in stack.split("\nThread "):
-                if "_px_call" in block or "_px_apply" in block or "_px_stream" in block:
-                    frames = _PYSPY_FRAME.findall(block)
-                    if frames:
-                        fn, where = frames[0]
-                        best = f"{fn} ({os.path.basename(where)})"
-            return best
-        for block in stack.split("--- thread "):
-            if "_px_call" in block or "_px_apply" in block or "_px_stream" in block:
-                frames = _FRAME.findall(block)
-                if frames:
-                    f, line, fn = frames[-1]
-                    best = f"{fn} ({os.path.basename(f)}:{line})"
+        for block in stack.split("\nThread " if pyspy else "--- thread "):
+            if not any(m in block for m in ("_px_call", "_px_apply", "_px_stream")):
+                continue
+            if pyspy:  # "    fn (file.py:12)", innermost first
+                frames = [(fn, *w.rsplit(":", 1)) for fn, w in _PYSPY_FRAME.findall(block)]
+            else:  # 'File "f.py", line 12, in fn', innermost last
+                frames = [(fn, f, line) for f, line, fn in reversed(_FRAME.findall(block))]
+            ours = [fr for fr in frames if not _in_stdlib(fr[1])] or frames
+            if ours:
+                fn, f, line = ours[0]
+                best = f"{fn} ({os.path.basename(f)}:{line})"
         return best
 
     def write(self, directory: str | None = None) -> str:
