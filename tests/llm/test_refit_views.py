@@ -266,20 +266,25 @@ def test_killed_generator_is_restarted_and_refitted(setup, model_path, tokenizer
         assert torch.equal(out["output_ids"], expected["output_ids"])
 
 
-def test_two_policy_ranks_write_the_same_weights_as_one(cluster, setup, model_path, tokenizer):
+def test_two_policy_ranks_write_the_same_weights_as_one(
+    cluster, setup, model_path, tokenizer, tmp_path
+):
     """Each of dp=2 ranks writes its own FSDP rows; the ring buffer then holds exactly
-    what a single rank writes for the same weights."""
-    _, gen, _ = setup
-    states = []
-    for workers in (2, 1):
-        policy = _policy(cluster, model_path, tokenizer, workers, f"view_dp{workers}")
-        refitter = Refitter(policy, gen, "ipc")
-        try:
-            _perturb(policy, 400)  # the same noise of the full tensors, however sharded
-            assert refitter.refit().routes == {0: "shm_view", 1: "shm_view"}
-            states.append(gen.execute_on(0).get_state_dict().wait(60)[0])
-            assert _states_equal(states[-1], policy.state_dict())
-        finally:
-            refitter.close()
-            policy.shutdown()
-    assert _states_equal(states[0], states[1])
+    what a single rank writes for the same weights (loaded from the two ranks'
+    checkpoint)."""
+    policy, gen, refitter = setup
+    _perturb(policy, 400)
+    assert refitter.refit().routes == {0: "shm_view", 1: "shm_view"}
+    two = gen.execute_on(0).get_state_dict().wait(60)[0]
+    assert _states_equal(two, policy.state_dict())
+    policy.save_checkpoint(str(tmp_path / "weights"))
+    single = _policy(cluster, model_path, tokenizer, 1, "view_dp1")
+    single_refitter = Refitter(single, gen, "ipc")
+    try:
+        single.load_checkpoint(str(tmp_path / "weights"))
+        assert single_refitter.refit().routes == {0: "shm_view", 1: "shm_view"}
+        one = gen.execute_on(0).get_state_dict().wait(60)[0]
+    finally:
+        single_refitter.close()
+        single.shutdown()
+    assert _states_equal(one, two)
