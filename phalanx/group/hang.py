@@ -42,7 +42,8 @@ def _in_stdlib(path: str) -> bool:
     if path.startswith("<frozen"):
         return True
     real = os.path.realpath(path)
-    return real.startswith(_STDLIB) and os.sep + "site-packages" + os.sep not in real
+    installed = (f"{os.sep}{d}{os.sep}" in real for d in ("site-packages", "dist-packages"))
+    return real.startswith(_STDLIB) and not any(installed)
 
 
 class Members(Protocol):

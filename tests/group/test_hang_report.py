@@ -9,6 +9,7 @@ import time
 import traceback
 
 import pytest
+import torch
 
 from phalanx.group.hang import HangReport
 
@@ -46,7 +47,7 @@ def test_a_rank_waiting_inside_the_standard_library_is_placed_in_its_own_code():
     assert _report(stack).innermost(0) == f"wait_for_release (test_hang_report.py:{line})"
 
 
-def test_frozen_modules_are_passed_over_and_an_all_library_stack_gives_its_innermost():
+def test_frozen_modules_are_passed_over_installed_packages_are_not():
     ours = (
         "--- thread MainThread ---\n"
         '  File "/srv/app/host.py", line 10, in _px_call\n'
@@ -60,6 +61,13 @@ def test_frozen_modules_are_passed_over_and_an_all_library_stack_gives_its_inner
         f'  File "{threading.__file__}", line 9, in wait\n'
     )
     assert _report(library).innermost(0) == "wait (threading.py:9)"
+    installed = (  # an installed package's frame (torch) is not the standard library's
+        "--- thread MainThread ---\n"
+        '  File "/srv/app/host.py", line 10, in _px_call\n'
+        f'  File "{torch.__file__}", line 3, in matmul\n'
+        f'  File "{threading.__file__}", line 9, in wait\n'
+    )
+    assert _report(installed).innermost(0) == "matmul (__init__.py:3)"
 
 
 def test_py_spy_stacks_are_read_innermost_first():
