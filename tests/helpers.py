@@ -113,7 +113,6 @@ def shm_files(tensors: Iterable[Any]) -> tuple[set[str], int]:
 
 
 _CORE_WORKER_LOG = re.compile(r"^python-core-worker-[0-9a-f]+_(\d+)\.log$")
-_SEGMENT = re.compile(r"^px_[A-Za-z0-9]+_(\d+)-")
 
 
 def ray_worker_pids() -> set[int]:
@@ -135,6 +134,8 @@ def ray_worker_pids() -> set[int]:
 def our_segments(names: Iterable[str]) -> dict[str, int]:
     """Those phalanx /dev/shm segment names (``px_<tag>_<pid>-...``) made by this process or
     by a worker of the connected Ray, each with the pid that made it."""
+    from phalanx.comm.shm import owner_pid
+
     ours = ray_worker_pids() | {os.getpid()}
-    owners = {n: int(m.group(1)) for n in names if (m := _SEGMENT.match(n))}
+    owners = {n: owner_pid(n) for n in names}
     return {n: pid for n, pid in owners.items() if pid in ours}

@@ -94,6 +94,12 @@ def _new_path(tag: str) -> str:
     return os.path.join(SHM_DIR, f"px_{tag}_{owner_token()}_{next(_counter)}")
 
 
+def owner_pid(name: str) -> int | None:
+    """The pid of the process that made the phalanx segment ``name`` (None if not one)."""
+    m = _NAME.match(os.path.basename(name))
+    return None if m is None else int(m.group(1))
+
+
 def owner_alive(name: str) -> bool:
     """False when ``name`` is a phalanx segment whose creating process has ended."""
     m = _NAME.match(os.path.basename(name))

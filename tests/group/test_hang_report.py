@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import sys
 import threading
-import time
 import traceback
 
 import pytest
 import torch
 
 from phalanx.group.hang import HangReport
+from tests.helpers import until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -32,13 +32,12 @@ def test_a_rank_waiting_inside_the_standard_library_is_placed_in_its_own_code():
     t = threading.Thread(target=_px_call, name="call")
     t.start()
     try:
-        deadline = time.monotonic() + 10
-        while True:  # until the thread is inside Event.wait
-            frame = sys._current_frames()[t.ident]
-            if frame.f_code.co_filename == threading.__file__ or time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
-        stack = "--- thread call ---\n" + "".join(traceback.format_stack(frame))
+
+        def frame():
+            return sys._current_frames()[t.ident]
+
+        assert until(lambda: frame().f_code.co_filename == threading.__file__, 10)
+        stack = "--- thread call ---\n" + "".join(traceback.format_stack(frame()))
     finally:
         release.set()
         t.join(10)
