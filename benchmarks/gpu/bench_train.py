@@ -61,12 +61,15 @@ def policy_config(
     device: str,
     chunk: int | None = None,
     kernel: str = "auto",
+    gather_once: str | bool = "auto",
 ) -> dict:
     """The policy config of the measured worker: bf16 (float32 on a CPU, whose bf16 matrix
     products are slow), dynamic batching, fused AdamW; ``chunk`` positions per eager
-    log-prob chunk (None: the worker's default) and the log-prob ``kernel``."""
+    log-prob chunk (None: the worker's default), the log-prob ``kernel`` and whether FSDP's
+    gathered weights are kept for the step (``dtensor_cfg.gather_weights_once_per_step``)."""
     kwargs = {"lr": 1e-5, **({"fused": True} if device == "cuda" else {})}
     return {
+        "dtensor_cfg": {"gather_weights_once_per_step": gather_once},
         **({"logprob_chunk_size": chunk} if chunk is not None else {}),
         "logprob_kernel": kernel,
         "model_name": path,
@@ -135,6 +138,10 @@ def main(argv: list[str] | None = None) -> dict:
         "--logprob-kernel", choices=LOGPROB_KERNELS, default="auto",
         help="the policy worker's log-prob kernel (auto: compiled on a GPU with Triton)",
     )  # fmt: skip
+    ap.add_argument(
+        "--gather-once", choices=("auto", "on", "off"), default="auto",
+        help="keep FSDP's gathered weights for the whole step (auto: with one FSDP shard)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if min(args.rows, args.seq, args.mbs, args.repeats) < 1:
         ap.error("--rows, --seq, --mbs and --repeats must be >= 1")
@@ -156,8 +163,16 @@ def main(argv: list[str] | None = None) -> dict:
     seq = min(args.seq, config.max_position_embeddings)
     lengths = batch_lengths(args.rows, seq, args.lengths)
     batch = make_batch(args.rows, seq, config.vocab_size, lengths, tokenizer.pad_token_id)
+    gather_once = {"auto": "auto", "on": True, "off": False}[args.gather_once]
     cfg = policy_config(
-        path, args.rows, seq, args.mbs, device, args.logprob_chunk_size, args.logprob_kernel
+        path,
+        args.rows,
+        seq,
+        args.mbs,
+        device,
+        args.logprob_chunk_size,
+        args.logprob_kernel,
+        gather_once,
     )
     shards, _ = px.BatchedDataDict(batch).shard_by_batch_size(
         1,
@@ -171,6 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     rank0_env()
     worker = px.DTensorPolicyWorker(cfg, tokenizer, init_reference_model=False)
+    gathered = worker.gather_once
     runs_before = kernel_runs()
     try:
         policy_s = timed(lambda: worker.train(shards[0], NLLLoss()), args.repeats)
@@ -215,6 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
         logprob_chunk_size=args.logprob_chunk_size,
         logprob_kernel=args.logprob_kernel,
         logprob_kernel_runs={k: v for k, v in runs.items() if v},
+        gather_once=gathered,
         tokens=tokens,
         policy_tokens_per_s=round(tokens / policy_s),
         plain_tokens_per_s=round(tokens / plain_s),

@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu/run_kit.sh [tests] [BENCH ...]     (no argument: everything)
 # BENCH is a name of the BENCHES table below (ORDER lists the default ones). Writes
 # $OUT/junit.xml, $OUT/timings.json, $OUT/pytest.log and $OUT/bench.log. The tests get
-# PHALANX_KIT_TEST_S (default 420 s), each benchmark its LIMIT (seconds). Exits with
+# PHALANX_KIT_TEST_S (default 420 s) and run in PHALANX_KIT_WORKERS (default 4) pytest-xdist
+# processes, each benchmark its LIMIT (seconds). Exits with
 # pytest's status (0 when the tests were not asked for).
 set -uo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -22,6 +23,7 @@ declare -A BENCHES=(
     [train_1.5b]="bench_train.py --model qwen2.5-1.5b --mbs 8 --profile"
     [train_1.5b_varied]="bench_train.py --model qwen2.5-1.5b --mbs 8 --lengths varied"
     [train_1.5b_eager]="bench_train.py --model qwen2.5-1.5b --mbs 8 --logprob-kernel eager"
+    [train_1.5b_regather]="bench_train.py --model qwen2.5-1.5b --mbs 8 --gather-once off"
     [logprobs]="bench_logprobs.py"
     [refit_1.5b]="bench_refit.py --model qwen2.5-1.5b"
     [generate_0.5b]="bench_generate.py --model qwen2.5-0.5b --prompts 8 --samples 8 --new 512 --prompt-len 64 --repeats 2"
@@ -31,7 +33,7 @@ declare -A BENCHES=(
     [ipc]="bench_ipc.py"
 )
 declare -A LIMIT=(
-    [train_0.5b]=90 [train_1.5b]=120 [train_1.5b_varied]=90 [train_1.5b_eager]=90 [logprobs]=90 [refit_1.5b]=90
+    [train_0.5b]=90 [train_1.5b]=120 [train_1.5b_varied]=90 [train_1.5b_eager]=90 [train_1.5b_regather]=90 [logprobs]=90 [refit_1.5b]=90
     [generate_0.5b]=120 [generate_static_0.5b]=400 [grpo_0.5b]=300 [ipc]=60
     [keep_state_0.5b]=120
 )
@@ -57,8 +59,16 @@ done
 t0=$(date +%s)
 rc=0
 if [ "$run_tests" = 1 ]; then
+    # The tests run in PHALANX_KIT_WORKERS pytest-xdist processes (the machine has 16
+    # cores and one GPU; each test needs a few hundred MiB of it): the two Ray tests take
+    # 45 s each, so one process would spend three minutes where four spend about one.
+    workers=${PHALANX_KIT_WORKERS:-4}
+    par=()
+    if [ "$workers" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then
+        par=(-n "$workers" --dist load)
+    fi
     timeout "${PHALANX_KIT_TEST_S:-420}" python3 -m pytest -m gpu tests/gpu --confcutdir tests/gpu \
-        -p no:cacheprovider -q -rs --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log"
+        -p no:cacheprovider -p no:benchmark -q -rs "${par[@]}" --junitxml="$OUT/junit.xml" 2>&1 | tee "$OUT/pytest.log"
     rc=${PIPESTATUS[0]}
 fi
 t1=$(date +%s)

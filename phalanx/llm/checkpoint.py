@@ -15,6 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from phalanx.llm.fsdp_state import reshard
+from phalanx.llm.lora import load_adapters, save_adapters
+
 
 def _write_error(error: BaseException, path: str) -> OSError | None:
     """The ``OSError`` behind a failed write of ``path``, naming ``path`` when it names no
@@ -145,3 +148,47 @@ def load_optimizer(model: torch.nn.Module, optimizer: Any, scheduler: Any, path:
     set_optimizer_state_dict(model, optimizer, ostate["optim"])
     if scheduler is not None and ostate["scheduler"]:
         scheduler.load_state_dict(ostate["scheduler"])
+
+
+def save_policy(
+    policy: Any,
+    weights_path: str,
+    optimizer_path: str | None,
+    tokenizer_path: str | None,
+) -> None:
+    """``DTensorPolicyWorker.save_checkpoint`` (every rank calls it): the sharded model, or
+    with LoRA the adapters in peft's format (rank 0 writes them); the optimizer and
+    scheduler sharded when ``optimizer_path`` is given; the tokenizer (rank 0) when
+    ``tokenizer_path`` is. A failed write raises on every rank."""
+    model, optimizer, scheduler = policy.model, policy.optimizer, policy.scheduler
+    if policy.peft_model is None:
+        save_sharded(model, optimizer, scheduler, weights_path, optimizer_path)
+    else:
+        write_on_every_rank(
+            weights_path,
+            lambda: save_adapters(policy.peft_model, weights_path, write=policy.rank == 0),
+        )
+        if optimizer_path:
+            save_optimizer(model, optimizer, scheduler, optimizer_path)
+    if tokenizer_path:
+
+        def write_tokenizer() -> None:
+            if policy.rank == 0:
+                policy.tokenizer.save_pretrained(tokenizer_path)
+
+        write_on_every_rank(tokenizer_path, write_tokenizer)
+    dist.barrier()
+
+
+def load_policy(policy: Any, weights_path: str, optimizer_path: str | None) -> None:
+    """``DTensorPolicyWorker.load_checkpoint``: a ``save_policy`` directory into the policy's
+    (already sharded) model, and the optimizer and scheduler when ``optimizer_path`` is
+    given; with LoRA, ``weights_path`` holds the adapters in peft's format."""
+    model, optimizer, scheduler = policy.model, policy.optimizer, policy.scheduler
+    if policy.peft_model is None:
+        load_sharded(model, optimizer, scheduler, weights_path, optimizer_path)
+        return
+    reshard(model)
+    load_adapters(policy.peft_model, weights_path)
+    if optimizer_path:
+        load_optimizer(model, optimizer, scheduler, optimizer_path)

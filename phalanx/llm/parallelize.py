@@ -238,9 +238,11 @@ def apply_fsdp(
     if offload_policy is not None:
         kw["offload_policy"] = offload_policy
     for layer in decoder_layers(model):
-        fully_shard(layer, **kw)
+        fully_shard(layer, reshard_after_forward=True, **kw)
     # The root too frees its gathered weights after forward, so that state_dict() always
     # exposes the sharded parameters that in-place swaps (reference, refit) write to.
+    # ``fsdp_state.gathered_for_step`` relies on every module resharding after forward
+    # outside it.
     fully_shard(model, reshard_after_forward=True, **kw)
 
 

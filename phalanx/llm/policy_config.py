@@ -23,7 +23,9 @@ Keys phalanx reads::
     dtensor_cfg                   parallel sizes, sequence_parallel, activation_checkpointing,
                                   cpu_offload, custom_parallel_plan, defer_fsdp_grad_sync,
                                   clear_cache_every_n_steps, env_vars, _v2, automodel_kwargs,
-                                  lora_cfg (checked by ``lora.check_lora_config``)
+                                  lora_cfg (checked by ``lora.check_lora_config``);
+                                  phalanx's gather_weights_once_per_step ("auto" | bool;
+                                  ``fsdp_state.gathers_once``)
     dynamic_batching              {"enabled", "train_mb_tokens", "logprob_mb_tokens",
                                    "sequence_length_round"}
     sequence_packing              {"enabled", "train_mb_tokens", "logprob_mb_tokens",
@@ -112,6 +114,7 @@ _DTENSOR_KEYS = {
     "lora",
     "automodel_kwargs",
     "clear_cache_every_n_steps",
+    "gather_weights_once_per_step",  # phalanx's (``fsdp_state.gathered_for_step``)
 }
 _DYNAMIC_KEYS = {"enabled", "train_mb_tokens", "logprob_mb_tokens", "sequence_length_round"}
 _PACKING_KEYS = _DYNAMIC_KEYS | {"algorithm", "microbatch_order"}
@@ -254,6 +257,11 @@ def _check_dtensor(config: dict[str, Any]) -> None:
     n = dcfg.get("clear_cache_every_n_steps")
     if n is not None:
         positive_int(n, "dtensor_cfg.clear_cache_every_n_steps")
+    gather = dcfg.get("gather_weights_once_per_step")
+    if gather not in ("auto", None) and not isinstance(gather, bool):
+        raise ConfigError(
+            f"dtensor_cfg.gather_weights_once_per_step must be 'auto', True or False, got {gather!r}"
+        )
     plan = dcfg.get("custom_parallel_plan")
     if plan is not None and not isinstance(plan, (str, dict)):
         raise ConfigError(

@@ -38,16 +38,12 @@ from torch.distributed.tensor import DTensor
 
 from phalanx._base.heap import reuse_freed_memory
 from phalanx.data import BatchedDataDict
-from phalanx.llm.checkpoint import (
-    load_optimizer,
-    load_sharded,
-    save_optimizer,
-    save_sharded,
-    write_on_every_rank,
-)
+from phalanx.llm.checkpoint import load_policy, save_policy
 from phalanx.llm.device_info import DeviceInfo
 from phalanx.llm.fsdp_state import (
     full_state_dict,
+    gathered_for_step,
+    gathers_once,
     get_cpu_state_dict,
     local,
     reshard,
@@ -55,7 +51,7 @@ from phalanx.llm.fsdp_state import (
 )
 from phalanx.llm.kept_state import KeptState
 from phalanx.llm.logprobs import chosen_token_logprobs, logprob_settings
-from phalanx.llm.lora import disabled_adapters, load_adapters, save_adapters
+from phalanx.llm.lora import disabled_adapters
 from phalanx.llm.loss import (
     LossFunction,
     LossType,
@@ -190,6 +186,12 @@ class DTensorPolicyWorker(Worker):
         )
         self.model, self.peft_model = build_model(
             self.cfg, self.device, self.dtype, self.tp_mesh, self._fsdp_mesh, self.sequence_parallel
+        )
+        # Gather the compute-dtype weights once per optimizer step, not twice per micro-batch.
+        self.gather_once = gathers_once(
+            dcfg.get("gather_weights_once_per_step"),
+            self._fsdp_mesh.size(),
+            bool(dcfg.get("cpu_offload")),
         )
         if self.cp_size > 1:
             use_cp_attention(self.model)
@@ -479,32 +481,20 @@ class DTensorPolicyWorker(Worker):
         micro = [mb for mb in micro_batches(gb, mbs, self.mode, "train") if mb.size]
         n_mb = self._max_over_ranks(len(micro))
         gb_loss = torch.zeros((), device=self.device)
-        for i in range(n_mb):
-            self._clear_cache_step(i)
-            for hook in self._microbatch_hooks:
-                hook()
-            if hasattr(self.model, "set_requires_gradient_sync"):
-                self.model.set_requires_gradient_sync(i == n_mb - 1 or not defer_sync)
-            with torch.set_grad_enabled(not eval_mode), contextlib.ExitStack() as stack:
-                metrics = None
-                if i >= len(micro):  # this rank has fewer micro-batches: a no-op step
-                    loss = self._dummy_logits(stack).sum() * 0.0
-                else:
-                    mb = micro[i].to(self.device)
-                    if self.mode == "packed":
-                        packed_logits, packed = self._packed_logits(mb, stack)
-                        T = mb["input_ids"].shape[1]
-                        logits = unpack_to_rows(packed_logits, packed, T)
-                    else:
-                        start = self._loss_start(mb, loss_fn)
-                        logits = self._forward_logits(mb["input_ids"], stack, start=start)
-                        mb = drop_leading_positions(mb, start)
-                    loss, metrics = loss_fn(logits, mb, global_seqs, global_toks)
-                if not eval_mode:
-                    # FSDP averages gradients over dp ranks; the loss is already a
-                    # share of the global mean, so undo that average.
-                    (loss * self.dp_size).backward()
-            if metrics is not None:
+        with gathered_for_step(self.model, self.gather_once and not eval_mode) as before_mb:
+            for i in range(n_mb):
+                before_mb(i == n_mb - 1)
+                self._clear_cache_step(i)
+                for hook in self._microbatch_hooks:
+                    hook()
+                if hasattr(self.model, "set_requires_gradient_sync"):
+                    self.model.set_requires_gradient_sync(i == n_mb - 1 or not defer_sync)
+                mb = micro[i] if i < len(micro) else None
+                loss, metrics = self._train_micro_batch(
+                    mb, loss_fn, eval_mode, global_seqs, global_toks
+                )
+                if metrics is None:
+                    continue
                 gb_loss += loss.detach()
                 if self.automodel_metrics:  # NeMo-RL's v2 worker adds these
                     metrics = {
@@ -521,6 +511,37 @@ class DTensorPolicyWorker(Worker):
             grad_norm = clip_grad_norm(params, self.cfg.get("max_grad_norm"))
             self.optimizer.step()
         return self._all_reduce(gb_loss, group=self._dp_group).cpu(), grad_norm
+
+    def _train_micro_batch(
+        self,
+        mb: BatchedDataDict | None,
+        loss_fn: LossFunction,
+        eval_mode: bool,
+        global_seqs: torch.Tensor,
+        global_toks: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, Any] | None]:
+        """Forward and backward (none in ``eval_mode``) of one micro-batch of ``train``: its
+        loss and metrics. ``mb`` None: this rank has fewer micro-batches than another, a
+        no-op step (metrics None)."""
+        with torch.set_grad_enabled(not eval_mode), contextlib.ExitStack() as stack:
+            metrics = None
+            if mb is None:
+                loss = self._dummy_logits(stack).sum() * 0.0
+            else:
+                mb = mb.to(self.device)
+                if self.mode == "packed":
+                    packed_logits, packed = self._packed_logits(mb, stack)
+                    logits = unpack_to_rows(packed_logits, packed, mb["input_ids"].shape[1])
+                else:
+                    start = self._loss_start(mb, loss_fn)
+                    logits = self._forward_logits(mb["input_ids"], stack, start=start)
+                    mb = drop_leading_positions(mb, start)
+                loss, metrics = loss_fn(logits, mb, global_seqs, global_toks)
+            if not eval_mode:
+                # FSDP averages gradients over dp ranks; the loss is already a share of
+                # the global mean, so undo that average.
+                (loss * self.dp_size).backward()
+        return loss, metrics
 
     # ------------------------------------------------------------------ log-probs
     @torch.no_grad()
@@ -964,23 +985,7 @@ class DTensorPolicyWorker(Worker):
                 f"checkpointing_cfg.model_save_format={fmt!r}: phalanx saves sharded "
                 "torch.distributed.checkpoint directories only (use None or 'torch_save')"
             )
-        if self.peft_model is None:
-            save_sharded(self.model, self.optimizer, self.scheduler, weights_path, optimizer_path)
-        else:  # the adapters in peft's format (rank 0 writes), the optimizer sharded
-            write_on_every_rank(
-                weights_path,
-                lambda: save_adapters(self.peft_model, weights_path, write=self.rank == 0),
-            )
-            if optimizer_path:
-                save_optimizer(self.model, self.optimizer, self.scheduler, optimizer_path)
-        if tokenizer_path:
-
-            def write_tokenizer() -> None:
-                if self.rank == 0:
-                    self.tokenizer.save_pretrained(tokenizer_path)
-
-            write_on_every_rank(tokenizer_path, write_tokenizer)
-        dist.barrier()
+        save_policy(self, weights_path, optimizer_path, tokenizer_path)
 
     def load_checkpoint(self, weights_path: str, optimizer_path: str | None = None) -> None:
         """Load a ``save_checkpoint`` directory into this (already sharded) model; with
@@ -990,13 +995,7 @@ class DTensorPolicyWorker(Worker):
             weights_path: the directory of the model's weights.
             optimizer_path: the directory of the optimizer's state (not loaded if None).
         """
-        if self.peft_model is None:
-            load_sharded(self.model, self.optimizer, self.scheduler, weights_path, optimizer_path)
-            return
-        reshard(self.model)
-        load_adapters(self.peft_model, weights_path)
-        if optimizer_path:
-            load_optimizer(self.model, self.optimizer, self.scheduler, optimizer_path)
+        load_policy(self, weights_path, optimizer_path)
 
     def keep_state(self, root: str, slot: int) -> int:
         """Copy this rank's trainable weights, optimizer and scheduler state into ``slot``

@@ -72,10 +72,12 @@ def test_train_benchmark_runs_both_loops_on_the_same_tokens(tiny_model, dist_env
     rec = bench_train.main(
         ["--model", tiny_model, "--rows", "8", "--seq", "32", "--mbs", "2", "--repeats", "1"]
         + ["--lengths", "varied", "--logprob-chunk-size", "7", "--logprob-kernel", "eager"]
+        + ["--gather-once", "off"]
     )
     lengths = bench_train.batch_lengths(8, 32, "varied")
     assert rec["tokens"] == int(lengths.sum()) and rec["lengths"] == "varied"
     assert rec["logprob_chunk_size"] == 7 and rec["logprob_kernel"] == "eager"
+    assert rec["gather_once"] is False  # the worker read the setting (auto: True here)
     assert set(rec["logprob_kernel_runs"]) == {"eager"}  # the worker's loss used the setting
     assert rec["policy_tokens_per_s"] > 0 and rec["plain_tokens_per_s"] > 0
     slowest = min(rec["policy_tokens_per_s"], rec["plain_tokens_per_s"])  # rounded to ints
@@ -191,3 +193,21 @@ def test_run_kit_names_an_unknown_benchmark():
     )
     assert proc.returncode == 2
     assert "unknown argument 'train_70b'" in proc.stderr and "grpo_0.5b" in proc.stderr
+
+
+def test_run_kit_runs_the_gpu_tests_in_parallel_and_records_them(tmp_path):
+    """``run_kit.sh tests`` as on the GPU machine, in two pytest-xdist processes: every GPU
+    test is collected and reported (here each skips, no CUDA) and timings.json counts them."""
+    proc = subprocess.run(
+        ["bash", os.path.join(KIT, "run_kit.sh"), "tests"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env={**os.environ, "OUT": str(tmp_path), "PHALANX_KIT_WORKERS": "2"},
+    )
+    log = (tmp_path / "pytest.log").read_text()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "bringing up nodes" in log, log  # pytest-xdist's start
+    timings = json.loads((tmp_path / "timings.json").read_text())
+    assert timings["tests"]["tests"] == timings["tests"]["skipped"] == 21
+    assert timings["tests"]["failures"] == timings["tests"]["errors"] == 0
