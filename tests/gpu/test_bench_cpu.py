@@ -1,7 +1,7 @@
 """The real-size GPU benchmarks' CPU-runnable parts: the architectures built from the
 configs in ``benchmarks/gpu/configs``, the train, generation and kept-state benchmarks end
-to end on the tiny model, GRPO's report, kernel kinds and ``run_kit.sh``'s argument check. Not
-marked ``gpu``: CI runs these."""
+to end on the tiny model, GRPO's report, kernel kinds, ``run_kit.sh``'s argument check and
+its test phase (in pytest-xdist processes). Not marked ``gpu``: CI runs these."""
 
 from __future__ import annotations
 
