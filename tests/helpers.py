@@ -1,13 +1,15 @@
 """Helpers the tests share: polling with a deadline (never a sleep as synchronisation),
 which /dev/shm files a process's tensors live in, which /dev/shm segments this test
-process's own Ray made, loading a benchmark script, killing a GRPO run's generation worker
-after its first step, and making a policy rank die at a named point of a GRPO step."""
+process's own Ray made, loading a benchmark script, stopping a process (SIGSTOP) until
+every thread of it has stopped, killing a GRPO run's generation worker after its first
+step, and making a policy rank die at a named point of a GRPO step."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -46,6 +48,33 @@ def until(pred: Callable[[], Any], timeout: float = 60.0, interval: float = 0.02
             return True
         time.sleep(interval)
     return bool(pred())
+
+
+def thread_states(pid: int) -> dict[int, str]:
+    """The scheduler state (``R``, ``S``, ``T``...) of every thread of process ``pid``."""
+    states = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                states[int(tid)] = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:  # the thread exited meanwhile
+            continue
+    return states
+
+
+def stop_process(pid: int, timeout: float = 30.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped (state ``T``); if
+    that does not happen within ``timeout`` s, resume it and fail.
+
+    ``kill`` only queues the signal; a thread on another core or in an uninterruptible
+    wait stops a moment later, so a test that needs a silent process waits for it.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    if not until(lambda: set(thread_states(pid).values()) <= {"T"}, timeout):
+        os.kill(pid, signal.SIGCONT)
+        raise AssertionError(
+            f"process {pid} did not stop within {timeout}s: threads {thread_states(pid)}"
+        )
 
 
 def kill_generation_after_step_1(run_dir: str, killed: list[float]) -> threading.Thread:

@@ -11,7 +11,7 @@ import ray
 
 import phalanx as px
 from phalanx.comm.config import CONFIG
-from tests.helpers import until
+from tests.helpers import stop_process, until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -34,7 +34,7 @@ def test_put_sent_to_a_stopped_actor_is_kept_through_the_peer_timeout(cluster, s
     pid = _channel_pid("put_kept")
     ch.put("a")
     ch.put("b")
-    os.kill(pid, signal.SIGSTOP)
+    stop_process(pid)
     try:
         with pytest.raises(TimeoutError, match="not answering"):
             ch.get(timeout=1)
@@ -63,7 +63,7 @@ def test_items_handed_back_keep_their_places_among_newer_puts(cluster):
     first = ch.get_batch(2, async_op=True)
     assert first.wait(timeout=30) == [0, 1]
     pid = _channel_pid("put_order")
-    os.kill(pid, signal.SIGSTOP)
+    stop_process(pid)
     try:
         with pytest.raises(TimeoutError, match="not answering"):
             ch.get_batch(2, timeout=1)  # abandoned: the actor hands it 2 and 3 later

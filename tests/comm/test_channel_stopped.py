@@ -11,7 +11,7 @@ import ray
 
 import phalanx as px
 from phalanx.comm.config import CONFIG
-from tests.helpers import until
+from tests.helpers import stop_process, thread_states, until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -28,7 +28,7 @@ def stopped_channel(cluster, request):
     ch.put("warm-up")
     assert ch.get(timeout=30) == "warm-up"  # connected both ways
     pid = _channel_pid(name)
-    os.kill(pid, signal.SIGSTOP)
+    stop_process(pid)
     try:
         yield ch, pid
     finally:
@@ -56,7 +56,9 @@ def test_item_handed_to_an_abandoned_get_goes_back(stopped_channel):
     ch, pid = stopped_channel
     ch.put("early", 2.0, async_op=True)  # queued behind the stop: served to the get below
     with pytest.raises(TimeoutError, match="not answering"):
-        ch.get(timeout=2)
+        got = ch.get(timeout=2)
+        pytest.fail(f"the stopped actor answered {got!r}; its threads: {thread_states(pid)}")
+    assert set(thread_states(pid).values()) == {"T"}, "something resumed the actor"
     os.kill(pid, signal.SIGCONT)
     assert ch.get_batch(2.0, timeout=30) == ["early"]  # back at the front, weight kept
 

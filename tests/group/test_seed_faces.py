@@ -13,7 +13,7 @@ import ray
 import phalanx as px
 from phalanx.group.dispatch import DispatchError
 from phalanx.group.futures import DEFAULT_CALL_TIMEOUT_S
-from tests.helpers import until
+from tests.helpers import stop_process, until
 from tests.workers import Recorder
 
 
@@ -103,7 +103,7 @@ def test_call_timeout_bounds_a_wait_on_a_stopped_worker(pair, tmp_path, monkeypa
     assert pair.call_timeout_s == DEFAULT_CALL_TIMEOUT_S
     pair.call_timeout_s = 2.0
     pid = pair.worker_metadata[1]["pid"]
-    os.kill(pid, signal.SIGSTOP)
+    stop_process(pid)
     try:
         handle = pair.noop()
         with pytest.raises(px.GroupTimeoutError) as info:

@@ -14,6 +14,7 @@ import pytest
 import phalanx as px
 from phalanx.group.fault import WorkerHealth
 from phalanx.group.hang import HangTimeoutError
+from tests.helpers import stop_process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,7 +40,7 @@ def test_a_stopped_worker_fails_a_default_wait_naming_it(cluster, tmp_path, monk
     try:
         pids = g.pid().wait()
         handle = g.block(str(go))
-        os.kill(pids[1], signal.SIGSTOP)
+        stop_process(pids[1])
         try:
             t0 = time.monotonic()
             with pytest.raises(HangTimeoutError) as info:

@@ -4,6 +4,7 @@ checkpoint format. No Ray: the tiny test model on one process."""
 
 from __future__ import annotations
 
+import faulthandler
 import math
 
 import pytest
@@ -453,6 +454,7 @@ def _sharded_merge(rank: int, world: int, init_file: str, model_path: str, out: 
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
+    faulthandler.enable()  # a native abort prints where each thread was
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         peft_model = apply_lora(_model(model_path), _settings(match_all_linear=True))
@@ -471,6 +473,7 @@ def _sharded_merge(rank: int, world: int, init_file: str, model_path: str, out: 
         full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in merged.items()}
         if rank == 0:
             torch.save({"full": full, "by_rows": len(by_rows)}, out)
+        dist.barrier()  # neither rank tears gloo down while the other still uses it
     finally:
         dist.destroy_process_group()
 
