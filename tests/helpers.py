@@ -69,8 +69,14 @@ def stop_process(pid: int, timeout: float = 30.0) -> None:
     ``kill`` only queues the signal; a thread on another core or in an uninterruptible
     wait stops a moment later, so a test that needs a silent process waits for it.
     """
-    os.kill(pid, signal.SIGSTOP)
-    if not until(lambda: set(thread_states(pid).values()) <= {"T"}, timeout):
+
+    def stopped() -> bool:
+        if set(thread_states(pid).values()) <= {"T"}:
+            return True
+        os.kill(pid, signal.SIGSTOP)  # again: a tracer (py-spy, a debugger) may swallow one
+        return False
+
+    if not until(stopped, timeout):
         os.kill(pid, signal.SIGCONT)
         raise AssertionError(
             f"process {pid} did not stop within {timeout}s: threads {thread_states(pid)}"
