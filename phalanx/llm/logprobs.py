@@ -17,6 +17,8 @@ compute the same values:
 
 ``logprob_settings`` sets the chunk size and kernel for the code it wraps (the policy worker
 wraps its ``train`` and ``get_logprobs``, so the loss functions it calls use them too).
+``entropy_sum`` (the losses' entropy metric) takes the same settings: compiled, one fused
+pass over each counted row; eager, a float32 chunk at a time.
 """
 
 from __future__ import annotations
@@ -95,6 +97,13 @@ def _fused_forward(x: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor
     return xf.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse, lse
 
 
+def _row_entropy(x: torch.Tensor) -> torch.Tensor:
+    """The entropy of each row of logits ``x`` [n, V], in float32: ``logsumexp - E_p[x]``."""
+    xf = x.float()
+    lse = torch.logsumexp(xf, dim=-1)
+    return lse - (torch.exp(xf - lse.unsqueeze(-1)) * xf).sum(-1)
+
+
 def _fused_backward(
     x: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor
 ) -> torch.Tensor:
@@ -114,14 +123,15 @@ def kernel_runs() -> dict[str, int]:
     return dict(_runs)
 
 
-def _compiled_kernels() -> tuple[Callable[..., Any], Callable[..., Any]]:
+def _compiled_kernels() -> tuple[Callable[..., Any], ...]:
     if not _compiled:
         # Dynamic shapes from the first call: every micro-batch has its own number of
         # positions, and a recompile per shape would soon hit dynamo's limit (after which
         # it runs the unfused function, with its full-size temporaries).
         _compiled["forward"] = torch.compile(_fused_forward, dynamic=True)
         _compiled["backward"] = torch.compile(_fused_backward, dynamic=True)
-    return _compiled["forward"], _compiled["backward"]
+        _compiled["entropy"] = torch.compile(_row_entropy, dynamic=True)
+    return _compiled["forward"], _compiled["backward"], _compiled["entropy"]
 
 
 def resolve_kernel(kernel: str, device: torch.device, plain: bool = True) -> str:
@@ -141,7 +151,7 @@ def _has_triton() -> bool:
 
 
 def _run_compiled(kernel: str, which: int, *args: torch.Tensor) -> Any:
-    """The compiled kernel ``which`` (0: forward, 1: backward) on ``args``; None when it
+    """The compiled kernel ``which`` (0: forward, 1: backward, 2: entropy) on ``args``; None when it
     fails to compile under ``"auto"`` (a warning says why, and eager is used from then on)."""
     try:
         return _compiled_kernels()[which](*args)
@@ -253,13 +263,28 @@ def token_logprobs(
 def entropy_sum(
     logits: torch.Tensor, mask: torch.Tensor, chunk_size: int | None = None
 ) -> torch.Tensor:
-    """Sum over ``mask`` of the entropy of ``logits`` [B, T, V] (mask [B, T]), chunked."""
+    """Sum over ``mask`` of the entropy of ``logits`` [B, T, V] (mask [B, T]), float32.
+
+    Only the positions with a nonzero mask are computed, a chunk of positions at a time
+    (``chunk_size``, else ``logprob_settings``'s): at most one chunk's rows are copied, never
+    the logits of every counted position at once. The kernel is ``logprob_settings``'s
+    (compiled: one fused pass over each row, read in the logits' dtype).
+    """
     B, T, V = logits.shape
-    chunk = chunk_size if chunk_size is not None else _SETTINGS.get().chunk_size
+    settings = _SETTINGS.get()
+    chunk = chunk_size if chunk_size is not None else settings.chunk_size
     step = _chunk_positions(B, V, chunk, logits.device)
+    kernel = resolve_kernel(settings.kernel, logits.device, type(logits) is torch.Tensor)
+    mask = mask.to(logits.device)
     total = torch.zeros((), dtype=torch.float32, device=logits.device)
     for s in range(0, T, step):
-        logp = torch.log_softmax(logits[:, s : s + step].float(), dim=-1)
-        ent = -(logp.exp() * logp).sum(-1)
-        total += (ent * mask[:, s : s + step].to(ent.device)).sum()
+        weights = mask[:, s : s + step]
+        keep = weights != 0
+        rows = logits[:, s : s + step][keep]  # [n, V]: this chunk's counted positions
+        if rows.shape[0] == 0:
+            continue
+        ent = _run_compiled(settings.kernel, 2, rows) if kernel == "compiled" else None
+        if ent is None:
+            ent = _row_entropy(rows)
+        total += (ent * weights[keep].float()).sum()
     return total

@@ -77,11 +77,9 @@ def valid_token_mask(data: dict[str, Any]) -> torch.Tensor:
 def masked_entropy_sum(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Sum over valid positions of the policy's entropy (a diagnostic, not differentiated).
 
-    Only the positions with a nonzero mask are normalised (a prompt's are not).
+    Only the positions with a nonzero mask are computed (a prompt's are not).
     """
-    keep = mask != 0
-    rows = logits[:, :-1][keep.to(logits.device)]  # [n, V]
-    return entropy_sum(rows.unsqueeze(0), mask[keep].unsqueeze(0))
+    return entropy_sum(logits[:, : mask.shape[1]], mask)
 
 
 def first_loss_position(data: dict[str, Any]) -> int:

@@ -208,6 +208,16 @@ def test_run_kit_runs_the_gpu_tests_in_parallel_and_records_them(tmp_path):
     log = (tmp_path / "pytest.log").read_text()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "bringing up nodes" in log, log  # pytest-xdist's start
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "--confcutdir", "tests/gpu"]
+        + ["--collect-only", "-q", "-p", "no:cacheprovider"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    ids = [line for line in collected.stdout.splitlines() if "::" in line]
+    assert len(ids) >= 22, collected.stdout  # the kit's GPU tests, CUDA entropy included
     timings = json.loads((tmp_path / "timings.json").read_text())
-    assert timings["tests"]["tests"] == timings["tests"]["skipped"] == 21
+    assert timings["tests"]["tests"] == timings["tests"]["skipped"] == len(ids)
     assert timings["tests"]["failures"] == timings["tests"]["errors"] == 0

@@ -38,12 +38,71 @@ def test_chunked_logprobs_gradients_equal_the_full_computation() -> None:
     torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5)
 
 
-def test_entropy_and_bad_chunk() -> None:
+def _entropy(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits.float(), -1)
+    return (-(logp.exp() * logp).sum(-1) * mask).sum()
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 2, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_entropy_of_the_masked_positions(chunk, dtype) -> None:
+    g = torch.Generator().manual_seed(2)
+    logits = (torch.randn(2, 5, 30, generator=g) * 3).to(dtype)
+    mask = torch.tensor([[1.0, 1, 0, 1, 0], [0, 1, 1, 0.5, 1]])
+    got = entropy_sum(logits, mask, chunk_size=chunk)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, _entropy(logits, mask), atol=1e-4, rtol=1e-5)
+    assert entropy_sum(logits, torch.zeros(2, 5), chunk_size=chunk).item() == 0.0
+
+
+def test_entropy_copies_one_chunk_of_rows_at_a_time() -> None:
+    """The loss's entropy metric allocates nothing larger than one chunk's rows in float32
+    (2 rows x 2 positions), where gathering every counted position first would allocate
+    [7, V] (and a float32 copy of a chunk of those)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from phalanx.llm.logprobs import logprob_settings
+    from phalanx.llm.loss import masked_entropy_sum
+
+    V = 64
+    logits = torch.randn(2, 7, V)
+    mask = torch.ones(2, 6)  # the positions predicting tokens 1..6
+    mask[0, 0] = mask[1, 5] = mask[1, 3] = mask[0, 2] = mask[1, 1] = 0
+    given = logits.untyped_storage().data_ptr()
+
+    class Largest(TorchDispatchMode):
+        nbytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() != given:
+                    Largest.nbytes = max(Largest.nbytes, t.untyped_storage().nbytes())
+            return out
+
+    with logprob_settings(chunk_size=2), Largest():
+        got = masked_entropy_sum(logits, mask)
+    assert Largest.nbytes <= 2 * 2 * V * 4, Largest.nbytes
+    torch.testing.assert_close(got, _entropy(logits[:, :6], mask))
+
+
+@pytest.mark.timeout(300)
+def test_compiled_entropy_equals_eager() -> None:
+    from phalanx.llm.logprobs import logprob_settings
+
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(3, 7, 40, generator=g) * 3).to(torch.bfloat16)
+    mask = (torch.rand(3, 7, generator=g) > 0.3).float()
+    with logprob_settings(kernel="eager"):
+        eager = entropy_sum(logits, mask, chunk_size=3)
+    with logprob_settings(kernel="compiled"):
+        compiled = entropy_sum(logits, mask, chunk_size=3)
+    torch.testing.assert_close(compiled, eager, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(eager, _entropy(logits, mask), atol=1e-4, rtol=1e-5)
+
+
+def test_bad_chunk_and_shapes() -> None:
     logits = torch.randn(2, 5, 30)
-    mask = torch.tensor([[1.0, 1, 0, 1, 0], [0, 1, 1, 1, 1]])
-    logp = torch.log_softmax(logits, -1)
-    expected = (-(logp.exp() * logp).sum(-1) * mask).sum()
-    torch.testing.assert_close(entropy_sum(logits, mask, chunk_size=2), expected)
     with pytest.raises(ValueError, match="logprob_chunk_size"):
         chosen_token_logprobs(logits, torch.zeros(2, 5, dtype=torch.long), chunk_size=0)
     with pytest.raises(ValueError, match="disagree"):
