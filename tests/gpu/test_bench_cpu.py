@@ -217,7 +217,7 @@ def test_run_kit_runs_the_gpu_tests_in_parallel_and_records_them(tmp_path):
         cwd=ROOT,
     )
     ids = [line for line in collected.stdout.splitlines() if "::" in line]
-    assert len(ids) >= 22, collected.stdout  # the kit's GPU tests, CUDA entropy included
+    assert ids, collected.stdout + collected.stderr  # test_kit_cpu pins how many
     timings = json.loads((tmp_path / "timings.json").read_text())
     assert timings["tests"]["tests"] == timings["tests"]["skipped"] == len(ids)
     assert timings["tests"]["failures"] == timings["tests"]["errors"] == 0
