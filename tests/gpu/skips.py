@@ -3,7 +3,7 @@
 Every test under ``tests/gpu`` (except ``test_kit_cpu.py``) carries ``needs_gpu(...)``:
 the ``gpu`` marker plus a skip whose message names what is missing. phalanx imports Ray
 when it is imported, so every GPU test needs ``ray`` importable; on the lent GPU machine
-``benchmarks/gpu/install.sh`` provides it.
+``benchmarks/gpu/install.sh`` provides it. ``KIT_TESTS`` is how many such tests there are.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import importlib.util
 
 import pytest
 
+KIT_TESTS = 22  # parametrized cases counted
 NO_CUDA = "needs CUDA: torch.cuda.is_available() is False on this machine"
 NO_RAY = (
     "needs ray importable (phalanx imports it at import time): run benchmarks/gpu/install.sh "
