@@ -142,6 +142,26 @@ def build_arch_model(arch: str, path: str, **overrides: Any) -> str:
     return path
 
 
+# The widths of a "narrow" architecture (``narrow_model``); everything else is the published one's.
+NARROW = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+}
+
+
+def narrow_model(arch: str, workdir: str) -> str:
+    """``arch`` with every tensor of the published architecture (its layers, names and tied
+    weights) at the widths of ``NARROW``, built under ``workdir``: its weights take about
+    2 MiB, so timing it measures what an operation over the real model's tensors costs
+    besides moving their bytes."""
+    if arch not in ARCHS:
+        raise SystemExit(f"--narrow needs --model naming one of {ARCHS}, got {arch!r}")
+    return build_arch_model(arch, os.path.join(workdir, f"{arch}-narrow"), **NARROW)
+
+
 def bf16_peak_flops() -> float | None:
     """The dense bf16 peak of GPU 0 (FLOP/s), or None for a card not in ``BF16_PEAK``."""
     if not torch.cuda.is_available():

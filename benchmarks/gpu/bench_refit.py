@@ -12,7 +12,10 @@ process. Prints ``RATIO refit_ipc/d2d_copy``, and a ``PARTS`` line per kind of r
 prepare, pack (the policy's ``get_weights_ipc_handles``), update (the generator's copy)
 and other (the handles' trip between processes and the answer's). Without CUDA the same
 runs through shared memory against one host memory copy (the CPU path of the same
-methods). ``--model``: a folder or an architecture of ``configs/`` (e.g. ``qwen2.5-1.5b``).
+methods). ``--model``: a folder or an architecture of ``configs/`` (e.g. ``qwen2.5-1.5b``);
+with ``--narrow``, that architecture's every tensor at tiny widths (``_common.narrow_model``):
+the bytes then cost nothing, and the figures are a refit's fixed cost at the real model's
+tensor count.
 """
 
 from __future__ import annotations
@@ -26,7 +29,14 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import model_path, one_rank_policy, report, sync, timed  # noqa: E402
+from _common import (  # noqa: E402
+    model_path,
+    narrow_model,
+    one_rank_policy,
+    report,
+    sync,
+    timed,
+)
 
 
 def generator(path: str, in_q, out_q) -> None:
@@ -58,13 +68,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--narrow",
+        action="store_true",
+        help="the --model architecture's every tensor at tiny widths: a refit's fixed cost",
+    )
     args = ap.parse_args(argv)
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     from transformers import AutoTokenizer
 
     cuda = torch.cuda.is_available()
-    path = model_path(args.model, tempfile.mkdtemp(prefix="bench_refit_"))
+    workdir = tempfile.mkdtemp(prefix="bench_refit_")
+    path = narrow_model(args.model, workdir) if args.narrow else model_path(args.model, workdir)
     tokenizer = AutoTokenizer.from_pretrained(path)
     ctx = torch.multiprocessing.get_context("spawn")
     in_q, out_q = ctx.Queue(), ctx.Queue()
@@ -129,6 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
         "refit_ipc/d2d_copy",
         steady["refit"] / floor,
         model=os.path.basename(path.rstrip("/")),
+        tensors=len(handle["layout"].specs) + len(handle["layout"].aliases),
         transport="cuda_ipc" if cuda else "shm",
         mib=round(nbytes / (1 << 20), 1),
         refit_s=round(steady["refit"], 7),

@@ -26,6 +26,7 @@ declare -A BENCHES=(
     [train_1.5b_regather]="bench_train.py --model qwen2.5-1.5b --mbs 8 --gather-once off"
     [logprobs]="bench_logprobs.py"
     [refit_1.5b]="bench_refit.py --model qwen2.5-1.5b"
+    [refit_1.5b_narrow]="bench_refit.py --model qwen2.5-1.5b --narrow --repeats 21"
     [generate_0.5b]="bench_generate.py --model qwen2.5-0.5b --prompts 8 --samples 8 --new 512 --prompt-len 64 --repeats 2"
     [generate_static_0.5b]="bench_generate.py --model qwen2.5-0.5b --prompts 8 --samples 8 --new 512 --prompt-len 64 --repeats 2 --static"
     [grpo_0.5b]="bench_grpo.py --model qwen2.5-0.5b"
@@ -34,11 +35,12 @@ declare -A BENCHES=(
 )
 declare -A LIMIT=(
     [train_0.5b]=90 [train_1.5b]=120 [train_1.5b_varied]=90 [train_1.5b_eager]=90 [train_1.5b_regather]=90 [logprobs]=90 [refit_1.5b]=90
+    [refit_1.5b_narrow]=60
     [generate_0.5b]=120 [generate_static_0.5b]=400 [grpo_0.5b]=300 [ipc]=60
     [keep_state_0.5b]=120
 )
 # generate_static_0.5b is not in the default set: HF compiles its static-cache step for minutes
-ORDER=(train_0.5b train_1.5b train_1.5b_varied logprobs refit_1.5b generate_0.5b grpo_0.5b keep_state_0.5b ipc)
+ORDER=(train_0.5b train_1.5b train_1.5b_varied logprobs refit_1.5b refit_1.5b_narrow generate_0.5b grpo_0.5b keep_state_0.5b ipc)
 run_tests=0
 benches=()
 if [ $# -eq 0 ]; then

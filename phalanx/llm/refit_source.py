@@ -17,11 +17,83 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from phalanx.llm.fsdp_state import reshard, whole_tensor
 from phalanx.llm.lora import base_state_dict, merged_state_dict
 
 PG_TIMEOUT_S = 300.0
+
+
+class _PlanState(dict):
+    """A full state made by ``_RefitPlan.full_state`` (``plan``: that plan)."""
+
+    def __init__(self, plan: _RefitPlan) -> None:
+        super().__init__()
+        self.plan = plan
+
+
+@dataclass(eq=False, repr=False)
+class _RefitPlan:
+    """What a refit reads of a model without LoRA, kept from refit to refit.
+
+    The FSDP modules to reshard, the state dict's names and tensors (the parameters
+    themselves, ``keep_vars``) and which of them are whole on this rank; and, per refit
+    dtype, the stream layout of the full state. Valid while ``epoch`` is the process's
+    ``bindings_epoch``: the tensors may change their data (training, offload), not who
+    they are.
+    """
+
+    epoch: int
+    fsdp_modules: list[torch.nn.Module]
+    names: list[str]
+    tensors: list[torch.Tensor]
+    whole: list[bool]  # the local part is the full tensor (a one-rank mesh, or not a DTensor)
+    _streams: dict[torch.dtype, tuple[Any, list[int]]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, epoch: int) -> _RefitPlan:
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for m in fsdp_modules:
+            m.reshard()
+        state = model.state_dict(keep_vars=True)
+        whole = [
+            not isinstance(v, DTensor)
+            or (v.device_mesh.size() == 1 and v.to_local().shape == v.shape)
+            for v in state.values()
+        ]
+        return cls(epoch, fsdp_modules, list(state), list(state.values()), whole)
+
+    def full_state(self) -> _PlanState:
+        """Every tensor whole (a collective where some are sharded over several ranks),
+        in the plan's order; call under ``torch.no_grad``."""
+        for m in self.fsdp_modules:
+            m.reshard()
+        out = _PlanState(self)
+        for name, t, whole in zip(self.names, self.tensors, self.whole):
+            if not whole:
+                out[name] = t.full_tensor()
+            elif isinstance(t, DTensor):
+                out[name] = t.to_local()  # under no_grad: a view that tracks no gradient
+            else:
+                out[name] = t.detach()
+        return out
+
+    def layout(self, state: _PlanState, dtype: torch.dtype) -> tuple[Any, list[torch.Tensor]]:
+        """``gather(state, dtype=dtype)`` for a ``state`` from ``full_state``, planned once
+        per dtype (names, shapes and tied tensors are the plan's)."""
+        from phalanx.weights import gather
+
+        kept = self._streams.get(dtype)
+        if kept is None:
+            layout, _ = gather(state, dtype=dtype)
+            at = {name: i for i, name in enumerate(self.names)}
+            kept = self._streams[dtype] = (layout, [at[s.name] for s in layout.specs])
+        layout, picks = kept
+        values = list(state.values())
+        return layout, [values[i] for i in picks]
 
 
 @dataclass(eq=False, repr=False)
@@ -47,6 +119,7 @@ class RefitSource:
     device_id: Callable[[], str]
     # What refits keep between them (not constructor arguments):
     _held_refit: dict[str, torch.Tensor] | None = field(default=None, init=False)
+    _kept_plan: _RefitPlan | None = field(default=None, init=False)
     _ipc_buffer: Any = field(default=None, init=False)  # RefitBuffer of get_weights_ipc_handles
     _refit_segment: Any = field(default=None, init=False)
     _refit_layout: tuple[Any, Any] | None = field(default=None, init=False)
@@ -65,19 +138,39 @@ class RefitSource:
             return self.model.state_dict()
         return merged_state_dict(self.peft_model) if merged else base_state_dict(self.peft_model)
 
+    def _plan(self) -> _RefitPlan:
+        """The model's tensors as a refit reads them (without LoRA), made again only when
+        some module registered a parameter, buffer or submodule since (``bindings_epoch``)."""
+        from phalanx.weights import bindings_epoch
+
+        epoch = bindings_epoch()
+        plan = self._kept_plan
+        if plan is None or plan.epoch != epoch:
+            plan = self._kept_plan = _RefitPlan.of(self.model, epoch)
+        return plan
+
     @torch.no_grad()
     def _full_refit_state(self) -> dict[str, torch.Tensor]:
         """``_refit_state()`` gathered into full tensors (a collective). A refit only reads
         them before the next step, so a tensor that is whole on this rank (world size 1)
-        is returned as is, not copied. Without LoRA the parameters are taken as they are
-        (``keep_vars``) and detached once here, which spares ``state_dict`` a detach per
-        sharded tensor."""
+        is returned as is, not copied. Without LoRA the tensors come from the kept
+        ``_RefitPlan``: a refit does not walk the model's state dict again."""
         if self.peft_model is None:
-            reshard(self.model)
-            state = self.model.state_dict(keep_vars=True)
-        else:
-            state = self._refit_state()
-        return {k: whole_tensor(v).detach() for k, v in state.items()}
+            return self._plan().full_state()
+        return {k: whole_tensor(v).detach() for k, v in self._refit_state().items()}
+
+    def _stream_of(
+        self, held: dict[str, torch.Tensor], keys: list[str] | None = None
+    ) -> tuple[Any, list[torch.Tensor]]:
+        """``gather(held[keys], dtype=self.dtype)``: (layout, sources); the kept plan's
+        layout when ``held`` is the plan's full state (every name, in order)."""
+        from phalanx.weights import gather
+
+        plan = self._kept_plan
+        if isinstance(held, _PlanState) and held.plan is plan and keys in (None, plan.names):
+            return plan.layout(held, self.dtype)
+        chosen = held if keys is None else {k: held[k] for k in keys}
+        return gather(chosen, dtype=self.dtype)
 
     def release_refit_buffers(self) -> None:
         """Drop the weights held for IPC handles (receivers have copied them). The packed
@@ -113,7 +206,7 @@ class RefitSource:
         At world size 1 nothing is gathered or copied: the held tensors are the parameters.
         """
         self._held_refit = self._full_refit_state()
-        item = torch.empty((), dtype=self.dtype).element_size()
+        item = self.dtype.itemsize
         info = [(k, v.numel() * item) for k, v in self._held_refit.items()]
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -134,7 +227,7 @@ class RefitSource:
         ``update_weights_from_ipc_handles`` with the previous handle (a synchronous refit
         between phases does). Calls with changing ``keys`` reallocate it each time.
         """
-        from phalanx.weights import RefitBuffer, gather
+        from phalanx.weights import RefitBuffer
 
         if self._held_refit is None:
             raise RuntimeError("get_weights_ipc_handles: call prepare_weights_for_ipc first")
@@ -142,7 +235,7 @@ class RefitSource:
         missing = [k for k in keys if k not in self._held_refit]
         if missing:
             raise KeyError(f"get_weights_ipc_handles: unknown keys {missing[:5]}")
-        layout, sources = gather({k: self._held_refit[k] for k in keys}, dtype=self.dtype)
+        layout, sources = self._stream_of(self._held_refit, keys)
         if self._ipc_buffer is None:
             cuda = self.device.type == "cuda"
             self._ipc_buffer = RefitBuffer(self.device if cuda else torch.device("cpu"))
@@ -229,9 +322,7 @@ class RefitSource:
 
     def prepare_info_for_collective(self) -> dict[str, Any]:
         """``{"layout": ..., "bucket_bytes": ...}`` of a collective refit."""
-        from phalanx.weights import gather
-
-        layout, _ = gather(self._full_refit_state(), dtype=self.dtype)
+        layout, _ = self._stream_of(self._full_refit_state())
         return {"layout": layout, "bucket_bytes": self._refit_bucket_bytes()}
 
     def init_collective(self, ip: str, port: int, world_size: int) -> None:
@@ -250,14 +341,14 @@ class RefitSource:
 
     def broadcast_weights_for_collective(self) -> None:
         """Gather the full weights (all policy ranks) and broadcast them from rank 0."""
-        from phalanx.weights import broadcast_stream, gather
+        from phalanx.weights import broadcast_stream
 
         full = self._full_refit_state()
         if self.rank != 0:
             return
         if self.model_update_group is None:
             raise RuntimeError("broadcast_weights_for_collective: call init_collective first")
-        layout, sources = gather(full, dtype=self.dtype)
+        layout, sources = self._stream_of(full)
         broadcast_stream(
             self.model_update_group, layout, sources, self._refit_bucket_bytes(), self.device
         )

@@ -29,6 +29,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "check_finite": ".layout",
         "apply_weights": ".receiver",
         "validate": ".receiver",
+        "bindings_epoch": ".targets",
         "ReadWriteLock": "phalanx.worker.call_lock",
         "Layout": ".layout",
         "TensorSpec": ".layout",

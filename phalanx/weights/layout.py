@@ -9,9 +9,10 @@ simply spans several buckets.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -20,9 +21,9 @@ ALIGN = 64
 NameMap = Callable[[str], "str | None"] | Mapping[str, "str | None"]
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """Where one tensor lives in the stream, and what it is."""
+class TensorSpec(NamedTuple):
+    """Where one tensor lives in the stream, and what it is (immutable; a tuple, so a
+    layout of a few hundred specs is built and compared quickly)."""
 
     name: str
     shape: tuple[int, ...]
@@ -32,7 +33,7 @@ class TensorSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
+        return _torch_dtype(self.dtype)
 
     @property
     def numel(self) -> int:
@@ -50,12 +51,31 @@ class Layout:
     total_bytes: int
     aliases: dict[str, str] = field(default_factory=dict)
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # Pickled as columns: a refit's handle carries the layout every refit, and one
+        # pickled object per spec costs about ten times as much to send and rebuild.
+        columns = tuple(zip(*((s.name, s.shape, s.dtype, s.offset, s.nbytes) for s in self.specs)))
+        return _from_columns, (columns, self.total_bytes, self.aliases)
+
     def buckets(self, bucket_bytes: int) -> list[tuple[int, int]]:
         """Byte ranges ``[start, end)`` of fixed-size buckets covering the stream."""
         return [
             (s, min(s + bucket_bytes, self.total_bytes))
             for s in range(0, self.total_bytes, bucket_bytes)
         ]
+
+
+def _from_columns(columns: tuple[Any, ...], total_bytes: int, aliases: dict[str, str]) -> Layout:
+    """The ``Layout`` that ``Layout.__reduce__`` pickled."""
+    return Layout(list(map(TensorSpec._make, zip(*columns))), total_bytes, aliases)
+
+
+@functools.cache
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -4,10 +4,17 @@ Shared by the receiver (``receiver.py``) and the transports that receive in plac
 (``transports/collective.py``): the module that receives (``weights_module()`` or
 ``model``), its parameters and buffers by state-dict name, the check of a whole version
 against them (names, shapes, dtypes, tied names, missing names) and the copy.
+
+A module's tensors by name are read once and kept until some module of the process
+registers a parameter, buffer or submodule (``bindings_epoch``): a refit of a model of a
+few hundred tensors otherwise spends more time walking its state dict than copying on a
+GPU. Changing a tensor's data (``p.data = ...``, ``module.to(...)``) keeps the tensor
+itself, so the kept names still lead to it.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = [
     "NoModelError",
     "WeightMismatchError",
+    "bindings_epoch",
     "copy_aliases",
     "copy_into",
     "module_of",
@@ -49,10 +57,49 @@ def module_of(worker: Any) -> Any:
     return module
 
 
+_epoch = [0]
+_epoch_hooks: list[Any] = []
+_targets: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, dict[str, torch.Tensor]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _bump(*_: Any) -> None:
+    _epoch[0] += 1
+
+
+def bindings_epoch() -> int:
+    """A number that changes whenever any ``nn.Module`` of this process registers a
+    parameter, buffer or submodule, by assignment or ``register_*`` (torch's global
+    registration hooks, installed by the first call): what was read of a module's tensors
+    by name at one epoch still holds while it is unchanged. Deleting an attribute
+    (``del module.weight``) is not seen; nothing in phalanx does it to a model it keeps."""
+    if not _epoch_hooks:
+        from torch.nn.modules import module as nn_module
+
+        _epoch_hooks.extend(
+            register(_bump)
+            for register in (
+                nn_module.register_module_parameter_registration_hook,
+                nn_module.register_module_buffer_registration_hook,
+                nn_module.register_module_module_registration_hook,
+            )
+        )
+    return _epoch[0]
+
+
 def target_tensors(module: Any) -> dict[str, torch.Tensor]:
-    """Parameters and buffers by state-dict name (the tensors themselves, not copies)."""
+    """Parameters and buffers by state-dict name (the tensors themselves, not copies).
+
+    For an ``nn.Module`` the state dict is read once per ``bindings_epoch`` and kept.
+    """
     if isinstance(module, torch.nn.Module):
-        return dict(module.state_dict(keep_vars=True))
+        epoch = bindings_epoch()
+        kept = _targets.get(module)
+        if kept is None or kept[0] != epoch:
+            kept = (epoch, dict(module.state_dict(keep_vars=True)))
+            _targets[module] = kept
+        return dict(kept[1])
     if isinstance(module, dict):
         return dict(module)
     raise TypeError(f"weights_module() must return an nn.Module, got {type(module).__name__}")
@@ -73,7 +120,7 @@ def validate(
                 f"unknown parameter {spec.name!r} (sent shape {list(spec.shape)}): the "
                 f"receiver's module has no such parameter or buffer"
             )
-        if tuple(t.shape) != spec.shape:
+        if t.shape != spec.shape:
             raise WeightMismatchError(
                 f"parameter {spec.name!r}: shape mismatch, receiver has {list(t.shape)}, "
                 f"sent {list(spec.shape)}"

@@ -148,6 +148,24 @@ def test_refit_benchmark_times_the_first_refit_apart(tiny_model, dist_env, capsy
     assert "RATIO refit_ipc/d2d_copy = " in out
     with pytest.raises(SystemExit):
         bench_refit.main(["--repeats", "0"])
+    with pytest.raises(SystemExit, match="--narrow needs --model naming one of"):
+        bench_refit.main(["--model", tiny_model, "--narrow"])
+
+
+def test_a_narrow_architecture_has_every_tensor_of_the_published_one(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = _common.narrow_model("qwen2.5-0.5b", str(tmp_path))
+    narrow = AutoModelForCausalLM.from_pretrained(path)
+    with open(os.path.join(KIT, "configs", "qwen2.5-0.5b.json")) as f:
+        published = AutoConfig.for_model(**json.load(f))
+    with torch.device("meta"):
+        real = AutoModelForCausalLM.from_config(published)
+    assert list(narrow.state_dict()) == list(real.state_dict())  # 24 layers' tensors, by name
+    assert narrow.config.tie_word_embeddings is True
+    assert narrow.lm_head.weight is narrow.model.embed_tokens.weight
+    assert {k: getattr(narrow.config, k) for k in _common.NARROW} == _common.NARROW
+    assert sum(p.numel() for p in narrow.parameters()) * 2 < 2 << 20  # about 2 MiB in bf16
 
 
 def test_grpo_report_takes_medians_after_the_first_step():

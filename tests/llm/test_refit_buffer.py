@@ -14,7 +14,8 @@ import torch
 
 from phalanx.llm.generation import HFGenerationWorker
 from phalanx.llm.policy_worker import DTensorPolicyWorker
-from phalanx.weights import mapped_buffer
+from phalanx.llm.refit_source import RefitSource
+from phalanx.weights import mapped_buffer, mapped_views
 from tests.gpu.procs import policy_config, rank0_env_vars
 from tests.helpers import shm_files
 
@@ -106,3 +107,42 @@ def test_a_layout_change_reallocates_and_the_generator_reopens(pair):
     assert again["buffer"] not in (full["buffer"], part["buffer"])
     assert policy._refit._ipc_buffer.allocations == buffers + 2
     _assert_holds(gen, state)
+
+
+class _Reader:
+    """A receiver of mapped views (its receiver state keeps the mapping)."""
+
+
+def test_a_refit_source_reads_its_model_once_and_sends_what_the_model_holds_now():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    calls = [0]
+    model.register_state_dict_post_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    source = RefitSource(model, None, {}, torch.bfloat16, torch.device("cpu"), 0, lambda: "cpu:t")
+    reader = _Reader()
+
+    def refit():
+        info, _ = source.prepare_weights_for_ipc()
+        (handle,) = source.get_weights_ipc_handles([k for k, _ in info]).values()
+        return {k: v.clone() for k, v in mapped_views(reader, handle).items()}
+
+    def assert_sent(got):
+        want = {k: v.detach().to(torch.bfloat16) for k, v in model.named_parameters()}
+        assert got.keys() == want.keys()
+        for k, v in want.items():
+            assert torch.equal(got[k], v), k
+
+    try:
+        assert_sent(refit())
+        assert calls == [1]
+        with torch.no_grad():
+            model[0].weight.mul_(2)  # trained in place
+        assert_sent(refit())
+        model[0].weight.data = torch.full((3, 4), 0.5)  # new data, same tensor
+        assert_sent(refit())
+        assert calls == [1]  # neither needed the state dict again
+        model[1].bias = torch.nn.Parameter(torch.tensor([3.0, -1.0]))  # a new tensor
+        assert_sent(refit())
+        assert calls == [2]
+        assert source._ipc_buffer.allocations == 1  # one layout throughout
+    finally:
+        source.close()

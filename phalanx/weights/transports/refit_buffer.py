@@ -61,6 +61,7 @@ class RefitBuffer:
         self.device = device
         self.allocations = 0  # buffers allocated so far (one per layout change)
         self._key: tuple[Any, ...] | None = None
+        self._layout: Layout | None = None  # the last layout packed (its key is _key)
         self._flat: torch.Tensor | None = None
         self._segment: Segment | None = None
         self._views: list[torch.Tensor] = []
@@ -75,15 +76,18 @@ class RefitBuffer:
         """Write ``sources`` (one per spec of ``layout``) into the buffer; its handle.
 
         The handle is ``{"kind": "cuda_ipc" | "shm", "layout", "buffer", ...}``: the same
-        object for every version of one layout. Returns once the bytes are written.
+        object for every version of one layout. Returns once the bytes are written. The
+        layout packed last is recognised by identity (a layout is not edited in place).
         """
         if len(sources) != len(layout.specs):
             raise ValueError(
                 f"RefitBuffer.pack: {len(sources)} sources for {len(layout.specs)} specs"
             )
-        key = layout_key(layout)
-        if key != self._key:
-            self._allocate(layout, key)
+        if layout is not self._layout:  # a layout object seen before lays bytes out alike
+            key = layout_key(layout)
+            if key != self._key:
+                self._allocate(layout, key)
+            self._layout = layout
         copy_all(self._views, sources)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -110,7 +114,7 @@ class RefitBuffer:
         valid until they drop them)."""
         if self._segment is not None:
             self._segment.unlink()
-        self._segment = self._flat = self._handle = self._key = None
+        self._segment = self._flat = self._handle = self._key = self._layout = None
         self._views = []
 
 
@@ -145,7 +149,9 @@ def mapped_views(worker: Any, handle: dict[str, Any]) -> dict[str, torch.Tensor]
     scratch = receiver_state(worker).scratch
     cached = scratch.get(_CACHE)
     if cached is not None and cached["buffer"] == buffer:
-        if cached["key"] != layout_key(layout):
+        # A RefitBuffer's id names one layout (a new layout gets a new buffer); a segment
+        # packed elsewhere may be rewritten in another layout under the same name.
+        if "buffer" not in handle and cached["key"] != layout_key(layout):
             cached["views"] = views(cached["flat"], layout)
             cached["key"] = layout_key(layout)
         return cached["views"]
