@@ -38,10 +38,11 @@ class _RefitPlan:
     """What a refit reads of a model without LoRA, kept from refit to refit.
 
     The FSDP modules to reshard, the state dict's names and tensors (the parameters
-    themselves, ``keep_vars``) and which of them are whole on this rank; and, per refit
-    dtype, the stream layout of the full state. Valid while ``epoch`` is the process's
-    ``bindings_epoch``: the tensors may change their data (training, offload), not who
-    they are.
+    themselves, as ``target_tensors`` keeps them) and which of them are whole on this
+    rank; and, per refit dtype, the stream layout of the full state. It holds while no
+    module registered a tensor or submodule (``epoch``, the process's ``bindings_epoch``)
+    and the model's state dict is still these tensors: training and offload change their
+    data, which every refit reads afresh, not the tensors.
     """
 
     epoch: int
@@ -52,13 +53,10 @@ class _RefitPlan:
     _streams: dict[torch.dtype, tuple[Any, list[int]]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, model: torch.nn.Module, epoch: int) -> _RefitPlan:
+    def of(cls, model: torch.nn.Module, state: dict[str, torch.Tensor], epoch: int) -> _RefitPlan:
         from torch.distributed.fsdp import FSDPModule
 
         fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        for m in fsdp_modules:
-            m.reshard()
-        state = model.state_dict(keep_vars=True)
         whole = [
             not isinstance(v, DTensor)
             or (v.device_mesh.size() == 1 and v.to_local().shape == v.shape)
@@ -66,11 +64,18 @@ class _RefitPlan:
         ]
         return cls(epoch, fsdp_modules, list(state), list(state.values()), whole)
 
+    def reads(self, state: dict[str, torch.Tensor], epoch: int) -> bool:
+        """True when ``state`` (the model's, now) is the one this plan was made from."""
+        return (
+            epoch == self.epoch
+            and len(state) == len(self.tensors)
+            and all(a is b for a, b in zip(state.values(), self.tensors))
+            and list(state) == self.names
+        )
+
     def full_state(self) -> _PlanState:
         """Every tensor whole (a collective where some are sharded over several ranks),
-        in the plan's order; call under ``torch.no_grad``."""
-        for m in self.fsdp_modules:
-            m.reshard()
+        in the plan's order; call under ``torch.no_grad``, with the model resharded."""
         out = _PlanState(self)
         for name, t, whole in zip(self.names, self.tensors, self.whole):
             if not whole:
@@ -139,14 +144,21 @@ class RefitSource:
         return merged_state_dict(self.peft_model) if merged else base_state_dict(self.peft_model)
 
     def _plan(self) -> _RefitPlan:
-        """The model's tensors as a refit reads them (without LoRA), made again only when
-        some module registered a parameter, buffer or submodule since (``bindings_epoch``)."""
-        from phalanx.weights import bindings_epoch
+        """The kept ``_RefitPlan`` of the model (without LoRA), made again when it no
+        longer holds; the model is resharded first (FSDP2 swaps its parameters while
+        they are gathered)."""
+        from phalanx.weights import bindings_epoch, target_tensors
 
         epoch = bindings_epoch()
         plan = self._kept_plan
-        if plan is None or plan.epoch != epoch:
-            plan = self._kept_plan = _RefitPlan.of(self.model, epoch)
+        if plan is not None and plan.epoch == epoch:  # the same modules
+            for m in plan.fsdp_modules:
+                m.reshard()
+        else:
+            reshard(self.model)
+        state = target_tensors(self.model)
+        if plan is None or not plan.reads(state, epoch):
+            plan = self._kept_plan = _RefitPlan.of(self.model, state, epoch)
         return plan
 
     @torch.no_grad()

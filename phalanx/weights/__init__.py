@@ -30,6 +30,7 @@ __getattr__, __dir__, __all__ = lazy_exports(
         "apply_weights": ".receiver",
         "validate": ".receiver",
         "bindings_epoch": ".targets",
+        "target_tensors": ".targets",
         "ReadWriteLock": "phalanx.worker.call_lock",
         "Layout": ".layout",
         "TensorSpec": ".layout",

@@ -5,16 +5,16 @@ Shared by the receiver (``receiver.py``) and the transports that receive in plac
 ``model``), its parameters and buffers by state-dict name, the check of a whole version
 against them (names, shapes, dtypes, tied names, missing names) and the copy.
 
-A module's tensors by name are read once and kept until some module of the process
-registers a parameter, buffer or submodule (``bindings_epoch``): a refit of a model of a
-few hundred tensors otherwise spends more time walking its state dict than copying on a
-GPU. Changing a tensor's data (``p.data = ...``, ``module.to(...)``) keeps the tensor
-itself, so the kept names still lead to it.
+A module's tensors by name are read once and kept while they are still the module's: a
+refit of a model of a few hundred tensors otherwise spends more time walking its state
+dict than copying on a GPU. Changing a tensor's data (a training step, ``p.data = ...``)
+keeps the tensor itself.
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,9 +59,6 @@ def module_of(worker: Any) -> Any:
 
 _epoch = [0]
 _epoch_hooks: list[Any] = []
-_targets: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, dict[str, torch.Tensor]]] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 def _bump(*_: Any) -> None:
@@ -71,9 +68,9 @@ def _bump(*_: Any) -> None:
 def bindings_epoch() -> int:
     """A number that changes whenever any ``nn.Module`` of this process registers a
     parameter, buffer or submodule, by assignment or ``register_*`` (torch's global
-    registration hooks, installed by the first call): what was read of a module's tensors
-    by name at one epoch still holds while it is unchanged. Deleting an attribute
-    (``del module.weight``) is not seen; nothing in phalanx does it to a model it keeps."""
+    registration hooks, installed by the first call). Replacing one in place without
+    registering it (``Module._apply`` does so for buffers, FSDP2 for its parameters) does
+    not change it: ``target_tensors`` checks those itself."""
     if not _epoch_hooks:
         from torch.nn.modules import module as nn_module
 
@@ -88,18 +85,60 @@ def bindings_epoch() -> int:
     return _epoch[0]
 
 
+@dataclass(eq=False)
+class _Kept:
+    """A module's state-dict tensors as read at ``epoch``, and where each one lives."""
+
+    epoch: int
+    tensors: dict[str, torch.Tensor]
+    # (owning module, weakly, attribute, tensor) per name; None where some name does not
+    # lead to its tensor (a state-dict hook renamed it): then nothing is kept
+    homes: list[tuple[weakref.ref[torch.nn.Module], str, torch.Tensor]] | None
+
+    @classmethod
+    def read(cls, module: torch.nn.Module, epoch: int) -> _Kept:
+        tensors = dict(module.state_dict(keep_vars=True))
+        homes: list[tuple[weakref.ref[torch.nn.Module], str, torch.Tensor]] | None = []
+        for name, t in tensors.items():
+            prefix, _, leaf = name.rpartition(".")
+            try:
+                owner = module.get_submodule(prefix)
+            except AttributeError:
+                homes = None
+                break
+            if getattr(owner, leaf, None) is not t:
+                homes = None
+                break
+            homes.append((weakref.ref(owner), leaf, t))
+        return cls(epoch, tensors, homes)
+
+    def holds(self, epoch: int) -> bool:
+        """True while nothing was registered since and every name leads to its tensor."""
+        return (
+            self.epoch == epoch
+            and self.homes is not None
+            and all(getattr(owner(), leaf, None) is t for owner, leaf, t in self.homes)
+        )
+
+
+_kept: weakref.WeakKeyDictionary[torch.nn.Module, _Kept] = weakref.WeakKeyDictionary()
+
+
 def target_tensors(module: Any) -> dict[str, torch.Tensor]:
     """Parameters and buffers by state-dict name (the tensors themselves, not copies).
 
-    For an ``nn.Module`` the state dict is read once per ``bindings_epoch`` and kept.
+    For an ``nn.Module`` the state dict is read once and kept while no module registers a
+    tensor or submodule (``bindings_epoch``) and each name still leads to the tensor kept
+    for it (a check of one attribute per name, far cheaper than a state dict).
     """
     if isinstance(module, torch.nn.Module):
         epoch = bindings_epoch()
-        kept = _targets.get(module)
-        if kept is None or kept[0] != epoch:
-            kept = (epoch, dict(module.state_dict(keep_vars=True)))
-            _targets[module] = kept
-        return dict(kept[1])
+        kept = _kept.get(module)
+        if kept is None or not kept.holds(epoch):
+            kept = _Kept.read(module, epoch)
+            if kept.homes is not None:
+                _kept[module] = kept
+        return dict(kept.tensors)
     if isinstance(module, dict):
         return dict(module)
     raise TypeError(f"weights_module() must return an nn.Module, got {type(module).__name__}")

@@ -88,6 +88,7 @@ def test_lora_run_through_the_cli_checkpoints_adapters_and_resumes(cluster, tmp_
         assert json.load(f)["lora_rank"] == 4  # the resumed run kept its adapters
 
 
+@pytest.mark.slow(reason="a GRPO run: its workers start, three warm-up steps, then a LoRA step")
 @pytest.mark.timeout(300)
 def test_tiny_lora_warms_up_the_whole_model_then_trains_adapters_on_it(cluster, tmp_path):
     """``--model tiny --lora-rank 4``: the tiny preset's warm-up trains the whole model, its

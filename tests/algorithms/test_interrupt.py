@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,7 +55,10 @@ def _run_and_interrupt(
             os.killpg(proc.pid, sig)
         else:
             proc.send_signal(sig)
-        code = proc.wait(timeout=60)
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the run did not exit within 60 s of the signal\n{_stuck(proc)}")
         elapsed = time.monotonic() - t_signal
         err = proc.stderr.read()
     finally:
@@ -66,6 +70,22 @@ def _run_and_interrupt(
     left = [n for n in os.listdir("/dev/shm") if any(f"_{p}-" in n for p in family)]
     assert left == [], left
     return code, elapsed, err
+
+
+def _stuck(proc: subprocess.Popen) -> str:
+    """What a run that does not exit is doing: its threads' Python stacks (py-spy) and the
+    end of what it wrote to stderr so far."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        stacks = "(py-spy is not installed)"
+    else:
+        dump = subprocess.run(
+            [exe, "dump", "--pid", str(proc.pid)], capture_output=True, text=True, timeout=60
+        )
+        stacks = (dump.stdout or dump.stderr)[-8000:]
+    os.set_blocking(proc.stderr.fileno(), False)
+    err = proc.stderr.read() or ""
+    return f"py-spy dump of pid {proc.pid}:\n{stacks}\nstderr:\n{err[-3000:]}"
 
 
 def _alive(pid: int) -> bool:

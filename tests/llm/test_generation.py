@@ -225,6 +225,9 @@ def _exit_after(worker, delay_s):
     os._exit(1)
 
 
+@pytest.mark.slow(
+    reason="a two-worker generation group of its own, three collective refits and a restart"
+)
 @pytest.mark.timeout(120)
 def test_generator_dying_mid_collective_refit_is_named_and_next_refit_works(
     cluster, setup, model_path, tokenizer

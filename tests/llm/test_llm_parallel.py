@@ -62,6 +62,9 @@ def unsharded(cluster, model_path, tokenizer):
         pol.shutdown()
 
 
+@pytest.mark.slow(
+    reason="a two-rank tensor-parallel policy and a generator start (and, once, the one-rank reference run)"
+)
 @pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tp2_matches_one_rank_and_refits_generator(
     cluster, model_path, tokenizer, unsharded, sequence_parallel, tmp_path

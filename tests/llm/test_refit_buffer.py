@@ -114,7 +114,11 @@ class _Reader:
 
 
 def test_a_refit_source_reads_its_model_once_and_sends_what_the_model_holds_now():
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2)
+    )
+    with torch.no_grad():
+        model[1].running_mean.uniform_()
     calls = [0]
     model.register_state_dict_post_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     source = RefitSource(model, None, {}, torch.bfloat16, torch.device("cpu"), 0, lambda: "cpu:t")
@@ -126,7 +130,11 @@ def test_a_refit_source_reads_its_model_once_and_sends_what_the_model_holds_now(
         return {k: v.clone() for k, v in mapped_views(reader, handle).items()}
 
     def assert_sent(got):
-        want = {k: v.detach().to(torch.bfloat16) for k, v in model.named_parameters()}
+        named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        want = {
+            k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v
+            for k, v in named.items()
+        }
         assert got.keys() == want.keys()
         for k, v in want.items():
             assert torch.equal(got[k], v), k
@@ -140,9 +148,14 @@ def test_a_refit_source_reads_its_model_once_and_sends_what_the_model_holds_now(
         model[0].weight.data = torch.full((3, 4), 0.5)  # new data, same tensor
         assert_sent(refit())
         assert calls == [1]  # neither needed the state dict again
-        model[1].bias = torch.nn.Parameter(torch.tensor([3.0, -1.0]))  # a new tensor
+        model[2].bias = torch.nn.Parameter(torch.tensor([3.0, -1.0]))  # a new tensor
         assert_sent(refit())
         assert calls == [2]
-        assert source._ipc_buffer.allocations == 1  # one layout throughout
+        model.double()  # new buffer tensors, put in place without registering them
+        with torch.no_grad():
+            model[1].running_var.mul_(3)
+        assert_sent(refit())
+        assert calls == [3]
+        assert source._ipc_buffer.allocations == 1  # one layout throughout (sent as bf16)
     finally:
         source.close()

@@ -51,6 +51,8 @@ def test_layout_pickles_as_columns_and_comes_back_equal():
 
 
 def test_bindings_epoch_counts_registrations_not_data_changes():
+    """(``Module._apply`` replaces buffers without registering them: ``target_tensors``
+    checks each name's tensor besides the epoch, see the next test.)"""
     net = Net()
     start = bindings_epoch()
     net.lin.weight.data = torch.zeros(3, 4)  # same tensor, new data
@@ -81,6 +83,14 @@ def test_target_tensors_reads_the_state_dict_once_per_epoch():
     net.head = torch.nn.Linear(3, 1)
     assert list(target_tensors(net))[3:] == ["head.weight", "head.bias"]
     assert calls == [3]
+    old_scale = net.scale
+    net.double()  # Module._apply puts a new buffer in place without registering it
+    assert net.scale is not old_scale
+    assert target_tensors(net)["scale"] is net.scale and calls == [4]
+    assert target_tensors(net)["lin.weight"] is net.lin.weight and calls == [4]
+    swapped = torch.nn.Parameter(torch.zeros(3, 4, dtype=torch.float64))
+    net.lin._parameters["weight"] = swapped  # as FSDP2 swaps its parameters: no hook runs
+    assert target_tensors(net)["lin.weight"] is swapped and calls == [5]
 
 
 class Receiver:
@@ -98,7 +108,7 @@ def test_each_version_is_checked_and_lands_in_the_tensors_the_module_holds_now()
     net.lin.weight = torch.nn.Parameter(torch.zeros(3, 4))  # replaced: the copy goes to it
     assert apply_weights(worker, layout, by_name) is True
     assert torch.equal(net.lin.weight.detach(), named["lin.weight"])
-    net.to(torch.float16)  # the tensors are the same, their dtype is not: refused
-    with pytest.raises(WeightMismatchError, match="'lin.weight': dtype mismatch"):
+    net.to(torch.float16)  # new dtypes (and a new buffer tensor): refused
+    with pytest.raises(WeightMismatchError, match="'scale': dtype mismatch"):
         apply_weights(worker, layout, by_name)
     assert net.lin.weight.dtype == torch.float16
