@@ -14,6 +14,8 @@ GRPO batch has (dynamic batching then sorts rows by length and pads less).
 (``qwen2.5-0.5b``, ``qwen2.5-1.5b``: random weights), else the tiny test model. Prints
 ``RATIO policy_train/plain_hf`` and a ``RESULT`` record with both tokens/s and MFU (of the
 card's dense bf16 peak); ``--profile`` also prints where each step's GPU time goes.
+``--compile on`` compiles the worker's decoder layers (``dtensor_cfg.compile``); the first
+step, which compiles, is timed apart (``policy_first_step_s``) and not in the ratio.
 """
 
 from __future__ import annotations
@@ -62,14 +64,16 @@ def policy_config(
     chunk: int | None = None,
     kernel: str = "auto",
     gather_once: str | bool = "auto",
+    compiled: bool = False,
 ) -> dict:
     """The policy config of the measured worker: bf16 (float32 on a CPU, whose bf16 matrix
     products are slow), dynamic batching, fused AdamW; ``chunk`` positions per eager
-    log-prob chunk (None: the worker's default), the log-prob ``kernel`` and whether FSDP's
-    gathered weights are kept for the step (``dtensor_cfg.gather_weights_once_per_step``)."""
+    log-prob chunk (None: the worker's default), the log-prob ``kernel``, whether FSDP's
+    gathered weights are kept for the step (``dtensor_cfg.gather_weights_once_per_step``)
+    and whether the decoder layers are compiled (``dtensor_cfg.compile``)."""
     kwargs = {"lr": 1e-5, **({"fused": True} if device == "cuda" else {})}
     return {
-        "dtensor_cfg": {"gather_weights_once_per_step": gather_once},
+        "dtensor_cfg": {"gather_weights_once_per_step": gather_once, "compile": compiled},
         **({"logprob_chunk_size": chunk} if chunk is not None else {}),
         "logprob_kernel": kernel,
         "model_name": path,
@@ -142,6 +146,10 @@ def main(argv: list[str] | None = None) -> dict:
         "--gather-once", choices=("auto", "on", "off"), default="auto",
         help="keep FSDP's gathered weights for the whole step (auto: with one FSDP shard)",
     )  # fmt: skip
+    ap.add_argument(
+        "--compile", choices=("on", "off"), default="off",
+        help="torch.compile the policy worker's decoder layers (dtensor_cfg.compile)",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if min(args.rows, args.seq, args.mbs, args.repeats) < 1:
         ap.error("--rows, --seq, --mbs and --repeats must be >= 1")
@@ -173,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.logprob_chunk_size,
         args.logprob_kernel,
         gather_once,
+        args.compile == "on",
     )
     shards, _ = px.BatchedDataDict(batch).shard_by_batch_size(
         1,
@@ -189,7 +198,9 @@ def main(argv: list[str] | None = None) -> dict:
     gathered = worker.gather_once
     runs_before = kernel_runs()
     try:
-        policy_s = timed(lambda: worker.train(shards[0], NLLLoss()), args.repeats)
+        # The first step apart: it compiles (with --compile on, and the log-prob kernel).
+        first_s = timed(lambda: worker.train(shards[0], NLLLoss()), 1, warmup=0)
+        policy_s = timed(lambda: worker.train(shards[0], NLLLoss()), args.repeats, warmup=0)
         if args.profile:
             profile_summary(lambda: worker.train(shards[0], NLLLoss()), "phalanx train step")
     finally:
@@ -232,6 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
         logprob_kernel=args.logprob_kernel,
         logprob_kernel_runs={k: v for k, v in runs.items() if v},
         gather_once=gathered,
+        compile=args.compile == "on",
+        policy_first_step_s=round(first_s, 3),
         tokens=tokens,
         policy_tokens_per_s=round(tokens / policy_s),
         plain_tokens_per_s=round(tokens / plain_s),

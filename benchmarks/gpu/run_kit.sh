@@ -20,7 +20,9 @@ python3 -c "import torch, ray; print('torch', torch.__version__, 'ray', ray.__ve
 
 declare -A BENCHES=(
     [train_0.5b]="bench_train.py --model qwen2.5-0.5b --mbs 8 --profile"
+    [train_0.5b_compile]="bench_train.py --model qwen2.5-0.5b --mbs 8 --compile on --profile"
     [train_1.5b]="bench_train.py --model qwen2.5-1.5b --mbs 8 --profile"
+    [train_1.5b_compile]="bench_train.py --model qwen2.5-1.5b --mbs 8 --compile on --profile"
     [train_1.5b_varied]="bench_train.py --model qwen2.5-1.5b --mbs 8 --lengths varied"
     [train_1.5b_eager]="bench_train.py --model qwen2.5-1.5b --mbs 8 --logprob-kernel eager"
     [train_1.5b_regather]="bench_train.py --model qwen2.5-1.5b --mbs 8 --gather-once off"
@@ -34,13 +36,13 @@ declare -A BENCHES=(
     [ipc]="bench_ipc.py"
 )
 declare -A LIMIT=(
-    [train_0.5b]=90 [train_1.5b]=120 [train_1.5b_varied]=90 [train_1.5b_eager]=90 [train_1.5b_regather]=90 [logprobs]=90 [refit_1.5b]=90
+    [train_0.5b]=90 [train_0.5b_compile]=150 [train_1.5b]=120 [train_1.5b_compile]=180 [train_1.5b_varied]=90 [train_1.5b_eager]=90 [train_1.5b_regather]=90 [logprobs]=90 [refit_1.5b]=90
     [refit_1.5b_narrow]=60
     [generate_0.5b]=120 [generate_static_0.5b]=400 [grpo_0.5b]=300 [ipc]=60
     [keep_state_0.5b]=120
 )
 # generate_static_0.5b is not in the default set: HF compiles its static-cache step for minutes
-ORDER=(train_0.5b train_1.5b train_1.5b_varied logprobs refit_1.5b refit_1.5b_narrow generate_0.5b grpo_0.5b keep_state_0.5b ipc)
+ORDER=(train_0.5b train_0.5b_compile train_1.5b train_1.5b_compile train_1.5b_varied logprobs refit_1.5b refit_1.5b_narrow generate_0.5b grpo_0.5b keep_state_0.5b ipc)
 run_tests=0
 benches=()
 if [ $# -eq 0 ]; then

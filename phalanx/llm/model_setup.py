@@ -10,7 +10,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from phalanx.llm.lora import apply_lora, check_lora_config
-from phalanx.llm.parallelize import apply_custom_plan, apply_fsdp, apply_tp
+from phalanx.llm.parallelize import apply_custom_plan, apply_fsdp, apply_tp, compile_layers
 
 
 def build_model(
@@ -58,6 +58,8 @@ def build_model(
             "(as in NeMo-RL); it has no effect at tensor_parallel_size=1",
             stacklevel=2,
         )
+    if dcfg.get("compile"):
+        compile_layers(model)
     if tp_mesh.size() > 1:
         if plan is not None:
             apply_custom_plan(model, tp_mesh, plan)

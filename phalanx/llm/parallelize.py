@@ -47,6 +47,19 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     raise ValueError(f"cannot find the {n} decoder layers of {type(model).__name__}")
 
 
+def compile_layers(model: torch.nn.Module) -> None:
+    """``torch.compile`` every decoder layer in place (``dtensor_cfg.compile``).
+
+    A layer's elementwise work (norms, rotary embedding, activations, residuals) then runs
+    in fused kernels. The layers share one compiled graph per shape class and grad mode
+    (their code is the same; the weights are the graph's inputs), so a model compiles once
+    whatever its depth. Applied before sharding, as FSDP2's per-layer hooks run outside
+    the compiled code; names and state dicts are unchanged (``Module.compile``).
+    """
+    for layer in decoder_layers(model):
+        layer.compile()
+
+
 def check_tp_size(config: Any, tp: int) -> None:
     """Raise naming the value when ``tp`` does not divide the model's head counts."""
     heads = getattr(config, "num_attention_heads", None)

@@ -25,7 +25,8 @@ Keys phalanx reads::
                                   clear_cache_every_n_steps, env_vars, _v2, automodel_kwargs,
                                   lora_cfg (checked by ``lora.check_lora_config``);
                                   phalanx's gather_weights_once_per_step ("auto" | bool;
-                                  ``fsdp_state.gathers_once``)
+                                  ``fsdp_state.gathers_once``) and compile (bool;
+                                  ``parallelize.compile_layers``)
     dynamic_batching              {"enabled", "train_mb_tokens", "logprob_mb_tokens",
                                    "sequence_length_round"}
     sequence_packing              {"enabled", "train_mb_tokens", "logprob_mb_tokens",
@@ -115,6 +116,7 @@ _DTENSOR_KEYS = {
     "automodel_kwargs",
     "clear_cache_every_n_steps",
     "gather_weights_once_per_step",  # phalanx's (``fsdp_state.gathered_for_step``)
+    "compile",  # phalanx's (``parallelize.compile_layers``)
 }
 _DYNAMIC_KEYS = {"enabled", "train_mb_tokens", "logprob_mb_tokens", "sequence_length_round"}
 _PACKING_KEYS = _DYNAMIC_KEYS | {"algorithm", "microbatch_order"}
@@ -262,12 +264,30 @@ def _check_dtensor(config: dict[str, Any]) -> None:
         raise ConfigError(
             f"dtensor_cfg.gather_weights_once_per_step must be 'auto', True or False, got {gather!r}"
         )
+    _check_compile(dcfg)
     plan = dcfg.get("custom_parallel_plan")
     if plan is not None and not isinstance(plan, (str, dict)):
         raise ConfigError(
             "dtensor_cfg.custom_parallel_plan must be a dict of module name -> ParallelStyle "
             f"or a dotted path to one (or to a function returning one), got {plan!r}"
         )
+
+
+def _check_compile(dcfg: dict[str, Any]) -> None:
+    """``dtensor_cfg.compile``: a bool, and only where the compiled layers are tested (one
+    tensor- and context-parallel rank; activation checkpointing and LoRA included)."""
+    compiled = dcfg.get("compile", False)
+    if not isinstance(compiled, bool):
+        raise ConfigError(f"dtensor_cfg.compile must be True or False, got {compiled!r}")
+    if not compiled:
+        return
+    for key in ("tensor_parallel_size", "context_parallel_size"):
+        if positive_int(dcfg.get(key, 1), f"dtensor_cfg.{key}") > 1:
+            raise ConfigError(
+                f"dtensor_cfg.compile=True with dtensor_cfg.{key} > 1 is not supported: "
+                "compiled decoder layers run only where each layer's weights are whole "
+                "tensors or FSDP shards; set compile=False"
+            )
 
 
 def _check_generation(gen: dict[str, Any]) -> None:

@@ -12,7 +12,7 @@ import importlib.util
 
 import pytest
 
-KIT_TESTS = 22  # parametrized cases counted
+KIT_TESTS = 24  # parametrized cases counted
 NO_CUDA = "needs CUDA: torch.cuda.is_available() is False on this machine"
 NO_RAY = (
     "needs ray importable (phalanx imports it at import time): run benchmarks/gpu/install.sh "

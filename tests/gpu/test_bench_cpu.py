@@ -80,6 +80,9 @@ def test_train_benchmark_runs_both_loops_on_the_same_tokens(tiny_model, dist_env
     assert rec["tokens"] == int(lengths.sum()) and rec["lengths"] == "varied"
     assert rec["logprob_chunk_size"] == 7 and rec["logprob_kernel"] == "eager"
     assert rec["gather_once"] is False  # the worker read the setting (auto: True here)
+    assert rec["compile"] is False and rec["policy_first_step_s"] > 0
+    on = bench_train.policy_config(tiny_model, 8, 32, 2, "cpu", compiled=True)["dtensor_cfg"]
+    assert on["compile"] is True  # --compile on (test_compiled_layers.py runs it)
     assert set(rec["logprob_kernel_runs"]) == {"eager"}  # the worker's loss used the setting
     assert rec["policy_tokens_per_s"] > 0 and rec["plain_tokens_per_s"] > 0
     slowest = min(rec["policy_tokens_per_s"], rec["plain_tokens_per_s"])  # rounded to ints

@@ -171,3 +171,40 @@ def test_move_to_cuda_after_cpu_offload_config(rank0_env, tiny_model, tiny_token
         assert _param_device(worker) == "cpu"
         offloaded = worker.get_logprobs(data)["logprobs"]
     torch.testing.assert_close(offloaded, plain, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_compiled_layers_train_as_the_eager_ones(
+    monkeypatch, tiny_model, tiny_tokenizer, precision
+):
+    """``dtensor_cfg.compile``: inductor's CUDA kernels give the eager steps and log-probs,
+    and the compiled layers still run after an offload round trip."""
+    from torch._dynamo.utils import counters
+
+    from phalanx.llm.loss import NLLLoss
+
+    data = _data(tiny_tokenizer, n=16)
+    torch.compiler.reset()  # graphs of an earlier test would be reused, not counted
+    graphs = counters["stats"]["unique_graphs"]
+    sgd = {"name": "torch.optim.SGD", "kwargs": {"lr": 0.5}}
+    runs = {}
+    for compiled in (False, True):
+        for k, v in procs.rank0_env_vars().items():  # a fresh port: each worker is a new group
+            monkeypatch.setenv(k, v)
+        over = {
+            "dtensor_cfg": {"compile": compiled},
+            "logprob_kernel": "eager",  # "auto" would compile it on CUDA: only the layers do
+            "optimizer": sgd,
+            "precision": precision,
+        }
+        with cuda_worker(tiny_model, tiny_tokenizer, **over) as worker:
+            losses = [float(worker.train(data, NLLLoss())["global_loss"].sum()) for _ in range(2)]
+            worker.offload_before_refit()
+            worker.offload_after_refit()
+            worker.prepare_for_training()
+            runs[compiled] = (losses, worker.get_logprobs(data)["logprobs"])
+        assert (counters["stats"]["unique_graphs"] > graphs) is compiled
+    (eager_losses, eager_lp), (losses, lp) = runs[False], runs[True]
+    tol = {"float32": 1e-4, "bfloat16": 0.15}[precision]
+    assert losses == pytest.approx(eager_losses, abs=tol / 10 if precision == "float32" else 0.05)
+    torch.testing.assert_close(lp, eager_lp, atol=tol, rtol=0)
