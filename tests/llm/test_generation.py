@@ -15,6 +15,7 @@ from phalanx.llm.loss import NLLLoss
 from phalanx.llm.policy import Policy
 from phalanx.llm.refit import TRANSPORTS, Refitter
 from phalanx.resources.cluster import find_free_port
+from tests.helpers import until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -153,10 +154,8 @@ def test_dead_generator_is_restarted_and_refitted_before_generating(
         expected = _local_greedy(model_path, policy.state_dict(), tokenizer, data, max_new=6)
 
         ray.kill(gen.actors[0], no_restart=True)
-        deadline = time.monotonic() + 30
-        while gen.health()[0] == px.WorkerHealth.HEALTHY and time.monotonic() < deadline:
-            time.sleep(0.01)  # the group's monitor sees the death within milliseconds
-        assert gen.health()[0] != px.WorkerHealth.HEALTHY
+        # the group's monitor sees the death within milliseconds
+        assert until(lambda: gen.health()[0] != px.WorkerHealth.HEALTHY, timeout=30)
         # The next call waits for the restart, which refits rank 0 before it is called.
         outs = gen.generate(data, greedy=True).wait(120)
         assert gen.num_remote_worker_restarts() == 1
@@ -201,10 +200,8 @@ def test_a_restarted_generator_samples_with_the_random_numbers_of_the_dead_one(
         assert torch.equal(outs[0]["output_ids"], outs[1]["output_ids"])
         killed, undisturbed = twins
         ray.kill(killed.actors[0], no_restart=True)
-        deadline = time.monotonic() + 30
-        while killed.health()[0] == px.WorkerHealth.HEALTHY and time.monotonic() < deadline:
-            time.sleep(0.01)  # the group's monitor sees the death within milliseconds
-        assert killed.health()[0] != px.WorkerHealth.HEALTHY
+        # the group's monitor sees the death within milliseconds
+        assert until(lambda: killed.health()[0] != px.WorkerHealth.HEALTHY, timeout=30)
         again = generate(killed, second, timeout=120)
         assert killed.num_remote_worker_restarts() == 1
         expected = generate(undisturbed, second, timeout=60)
@@ -220,7 +217,9 @@ def test_a_restarted_generator_samples_with_the_random_numbers_of_the_dead_one(
             g.shutdown()
 
 
-def _exit_after(worker, delay_s):
+def _exit_after(worker, delay_s, started):
+    """Mark ``started`` (a file), stay busy ``delay_s``, then exit the worker's process."""
+    open(started, "w").close()
     time.sleep(delay_s)
     os._exit(1)
 
@@ -230,7 +229,7 @@ def _exit_after(worker, delay_s):
 )
 @pytest.mark.timeout(120)
 def test_generator_dying_mid_collective_refit_is_named_and_next_refit_works(
-    cluster, setup, model_path, tokenizer
+    cluster, setup, model_path, tokenizer, tmp_path
 ):
     policy, _ = setup
     gen = HFGenerationWorker.create_group(_gen_cfg(model_path), tokenizer).launch(
@@ -246,8 +245,9 @@ def test_generator_dying_mid_collective_refit_is_named_and_next_refit_works(
         g.apply(_noise, [(r, (0.05, 21), {}) for r in (0, 1)], label="noise").wait(timeout=60)
         # Rank 1 is busy when the refit starts and exits mid-way: the policy's rank 0 is
         # already in the broadcast, rank 0 of the generators is receiving.
-        gen.apply(_exit_after, [(1, (1.0,), {})], label="exit")
-        time.sleep(0.2)
+        started = tmp_path / "exit_call_started"
+        gen.apply(_exit_after, [(1, (1.0, str(started)), {})], label="exit")
+        assert until(started.exists, timeout=30)
         t0 = time.perf_counter()
         with pytest.raises(RuntimeError, match=r"gen_coll_kill\[rank 1\]: worker died"):
             refitter.refit()
