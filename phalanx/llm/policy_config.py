@@ -285,8 +285,8 @@ def _check_compile(dcfg: dict[str, Any]) -> None:
         if positive_int(dcfg.get(key, 1), f"dtensor_cfg.{key}") > 1:
             raise ConfigError(
                 f"dtensor_cfg.compile=True with dtensor_cfg.{key} > 1 is not supported: "
-                "compiled decoder layers run only where each layer's weights are whole "
-                "tensors or FSDP shards; set compile=False"
+                "the compiled layers are tested with FSDP2 sharding only; set compile=False "
+                f"or {key}=1"
             )
 
 
