@@ -263,13 +263,16 @@ class Roster:
         self.env_layers = [allowlisted_env(), {}, dict(env_vars)]
         t0 = time.perf_counter()
         if self.builder.isolated:
-            self._initializer = self.builder.new_initializer()
+            self._initializer = self.builder.shared_initializer()
         else:  # one probe per node, in parallel, before the first worker needs it
             pool_environ(s.node_id for s in slots)
         pending = [self._spawn(s) for s in slots]
         try:
             self.actors = list(ray.get(pending, timeout=self.launch_timeout_s))
         except GetTimeoutError:
+            if self._initializer is not None:
+                # Stuck: it may still create workers that no handle here names.
+                _kill(self._initializer)
             self.kill_all()
             raise RuntimeError(
                 f"group {self.name}: creating workers timed out after {self.launch_timeout_s}s"
@@ -402,12 +405,10 @@ class Roster:
         except Exception:  # noqa: BLE001 - already gone
             pass
         if self._initializer is not None:
-            try:
-                ray.get(self._initializer.__ray_ready__.remote(), timeout=timeout)
-            except GetTimeoutError:
-                pass  # slow, not dead: dropping it would kill the workers it owns
-            except Exception:  # noqa: BLE001 - died (killed, OOM): its workers died with it
-                self._initializer = self.builder.new_initializer()
+            # a dead one (killed, OOM) is replaced; its workers died with it
+            old = self._initializer
+            self._initializer = self.builder.shared_initializer()
+            self.builder.release_initializer(old)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -468,7 +469,7 @@ class Roster:
         for a in victims:
             _kill(a)
         if self._initializer is not None:
-            _kill(self._initializer)
+            self.builder.release_initializer(self._initializer)
             self._initializer = None
         names = [f"{self.name}:{r}" for r in range(len(self.actors))]
         self.actors = []

@@ -4,7 +4,11 @@
 arguments. With a dotted path the driver never imports the worker's module: an
 ``IsolatedWorkerInitializer`` actor (running in the class's own runtime environment)
 imports it, asks its optional ``configure_worker`` hook for resources, env vars and init
-kwargs, and creates the worker.
+kwargs, and creates the worker. A group launched by name takes a *shared* initializer
+(``shared_initializer``: one per Ray job, node, class and runtime environment, kept while a
+group uses it and for the two most recently used idle ones): its import (torch and
+transformers for a policy worker, seconds of CPU on a launch's critical path) is paid once
+for every group of that class launched after it, a relaunched policy included.
 
 Environment of a worker, lowest precedence first:
 
@@ -371,7 +375,11 @@ def _host_actor_class(cls: type):
 
 
 class _Initializer:
-    """Imports the worker class in its own runtime environment and creates workers."""
+    """Imports the worker class in its own runtime environment and creates workers.
+
+    A shared initializer (:meth:`RayWorkerBuilder.shared_initializer`) is made without init
+    arguments; each ``create_worker`` call then brings its group's as ``px_init``.
+    """
 
     def __init__(self, ray_actor_class_fqn: str, *init_args: Any, **init_kwargs: Any):
         self.ray_actor_class_fqn = ray_actor_class_fqn
@@ -386,16 +394,85 @@ class _Initializer:
         bundle_indices: tuple | None = None,
         **extra_options: Any,
     ) -> ray.actor.ActorHandle:
+        init_args, init_kwargs = extra_options.pop("px_init", (self.init_args, self.init_kwargs))
         return _create_host(
             self.ray_actor_class_fqn,
-            self.init_args,
-            self.init_kwargs,
+            init_args,
+            init_kwargs,
             placement_group,
             placement_group_bundle_index,
             num_gpus,
             bundle_indices,
             extra_options,
         )
+
+
+class _SharedInitializers:
+    """Initializers kept per (Ray job, node, class path, runtime environment).
+
+    An initializer's cost is the import of its class's module (torch and transformers for a
+    policy worker: seconds of CPU), and it is on a launch's critical path. Groups of one
+    class launched after each other (a relaunched policy, a resumed run, the next test)
+    reuse one. An initializer owns the workers it creates, so one is killed only when no
+    live group uses it, and only beyond the ``keep_idle`` most recently used idle ones.
+    """
+
+    def __init__(self, keep_idle: int = 2):
+        self.keep_idle = keep_idle
+        self._lock = threading.Lock()
+        self._entries: dict[tuple, list] = {}  # key -> [handle, users, last release]
+        self._clock = 0
+
+    def acquire(self, key: tuple, make: Any) -> ray.actor.ActorHandle:
+        """A live initializer for ``key`` (made by ``make()`` if none is), counted as used."""
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is not None and not _initializer_alive(entry[0]):
+            entry = None
+        with self._lock:
+            current = self._entries.get(key)
+            if entry is None or current is not entry:
+                current = [make(), 0, 0]
+                self._entries[key] = current
+            current[1] += 1
+            return current[0]
+
+    def release(self, handle: ray.actor.ActorHandle) -> None:
+        """One group no longer uses ``handle``; idle initializers beyond ``keep_idle`` go."""
+        victims = []
+        with self._lock:
+            for entry in self._entries.values():
+                if entry[0] is handle:
+                    entry[1] = max(0, entry[1] - 1)
+                    self._clock += 1
+                    entry[2] = self._clock
+            idle = sorted((e[2], key) for key, e in self._entries.items() if e[1] == 0)
+            for _, key in idle[: max(0, len(idle) - self.keep_idle)]:
+                victims.append(self._entries.pop(key)[0])
+        for victim in victims:
+            try:
+                ray.kill(victim, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+    def is_shared(self, handle: Any) -> bool:
+        with self._lock:
+            return any(e[0] is handle for e in self._entries.values())
+
+
+def _initializer_alive(handle: ray.actor.ActorHandle, timeout: float = 30.0) -> bool:
+    """False once the initializer's process is gone; a slow one counts as alive (dropping it
+    would kill the workers it owns)."""
+    try:
+        ray.get(handle.__ray_ready__.remote(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        return True
+    except Exception:  # noqa: BLE001 - died (killed, OOM)
+        return False
+    return True
+
+
+_SHARED_INITIALIZERS = _SharedInitializers()
 
 
 class RayWorkerBuilder:
@@ -424,6 +501,7 @@ class RayWorkerBuilder:
         self.kwargs = kwargs
         self.env_vars: dict[str, str] = {}
         self.runtime_env: dict[str, Any] = {}
+        self._init_ref: ray.ObjectRef | None = None
 
     @property
     def class_name(self) -> str:
@@ -505,6 +583,42 @@ class RayWorkerBuilder:
             runtime_env=self._initializer_runtime_env()
         ).remote(self.ray_actor_class_fqn, *self.args, **self.kwargs)
 
+    def shared_initializer(self) -> ray.actor.ActorHandle:
+        """An initializer for this class and runtime environment that later groups reuse
+        (``_SharedInitializers``); hand it back with :meth:`release_initializer`.
+
+        Unlike :meth:`new_initializer`'s, it holds no init arguments: ``create_worker_async``
+        sends this builder's with each worker.
+
+        Returns:
+            The initializer actor's handle.
+        """
+        import json
+
+        ctx = ray.get_runtime_context()
+        runtime_env = self._initializer_runtime_env()
+        key = (
+            ctx.get_job_id(),
+            ctx.get_node_id(),
+            self.ray_actor_class_fqn,
+            json.dumps(runtime_env, sort_keys=True, default=str),
+        )
+        return _SHARED_INITIALIZERS.acquire(
+            key,
+            lambda: self.IsolatedWorkerInitializer.options(runtime_env=runtime_env).remote(
+                self.ray_actor_class_fqn
+            ),
+        )
+
+    @staticmethod
+    def release_initializer(initializer: ray.actor.ActorHandle) -> None:
+        """A group no longer uses a :meth:`shared_initializer` (its workers are killed).
+
+        Args:
+            initializer: the handle :meth:`shared_initializer` returned.
+        """
+        _SHARED_INITIALIZERS.release(initializer)
+
     def create_worker_async(
         self,
         placement_group: Any,
@@ -533,6 +647,10 @@ class RayWorkerBuilder:
         options = self._options(extra_options)
         if self.isolated:
             initializer = initializer or self.new_initializer()
+            if _SHARED_INITIALIZERS.is_shared(initializer):
+                if self._init_ref is None:  # put once, resolved by Ray in each call
+                    self._init_ref = ray.put((self.args, self.kwargs))
+                options["px_init"] = self._init_ref
             ref = initializer.create_worker.remote(
                 placement_group, placement_group_bundle_index, num_gpus, bundle_indices, **options
             )

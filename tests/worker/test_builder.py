@@ -8,6 +8,7 @@ import pytest
 import ray
 
 import phalanx as px
+from tests.helpers import until
 
 
 def test_env_allowlist_and_precedence(cluster):
@@ -95,6 +96,57 @@ def test_builder_call_and_async_with_initializer(cluster):
         ray.kill(initializer)
     finally:
         remove_placement_group(pg)
+
+
+def _pid(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+
+
+@pytest.mark.timeout(120)
+def test_groups_of_one_class_share_an_initializer_that_a_death_replaces(cluster):
+    """Groups built by name reuse one initializer per class and environment (its import is
+    paid once), each group's workers get their own init arguments, and a group's shutdown
+    leaves the initializer to the next group; a dead one is replaced, and its group's
+    workers are restarted through the new one."""
+    fqn = "tests.workers.PlainWorker"
+    vc = px.RayVirtualCluster([1, 1], use_gpus=False, name="shared_init")
+    groups = []
+    try:
+        b1, b2 = px.RayWorkerBuilder(fqn, {"k": 1}), px.RayWorkerBuilder(fqn, {"k": 2})
+        first = px.RayWorkerGroup(vc, b1, name_prefix="shr_a")
+        groups.append(first)
+        initializer = b1.shared_initializer()
+        b1.release_initializer(initializer)
+        pid = _pid(initializer)
+        assert first.shutdown() is True
+        second = px.RayWorkerGroup(vc, b2, name_prefix="shr_b", restart_policy=px.RestartPolicy())
+        groups.append(second)
+        assert ray.get(second.run_all_workers_single_data("get_cfg"), timeout=60) == [
+            {"k": 2},
+            {"k": 2},
+        ]
+        same = b2.shared_initializer()
+        b2.release_initializer(same)
+        assert same is initializer and _pid(same) == pid
+        other_env = px.RayWorkerBuilder(fqn).with_runtime_env(env_vars={"PHALANX_X": "1"})
+        other = other_env.shared_initializer()
+        other_env.release_initializer(other)
+        assert other is not initializer and _pid(other) != pid
+
+        ray.kill(initializer, no_restart=True)  # it owns the workers: they die with it
+        assert until(lambda: second.num_remote_worker_restarts() == 2, timeout=60)
+        assert second.wait_healthy(60)
+        assert ray.get(second.run_all_workers_single_data("get_cfg"), timeout=60) == [
+            {"k": 2},
+            {"k": 2},
+        ]
+        replaced = b2.shared_initializer()
+        b2.release_initializer(replaced)
+        assert replaced is not initializer and _pid(replaced) != pid
+    finally:
+        for g in groups:
+            g.shutdown()
+        vc.shutdown()
 
 
 def test_worker_init_failure_names_rank(cluster):
