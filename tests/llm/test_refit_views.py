@@ -99,6 +99,10 @@ def _states_equal(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow(
+    reason="its module fixture starts a two-rank policy and two generation workers (34-37 s "
+    "alone, 50-74 s beside the other test process)"
+)
 def test_refit_gives_generators_views_of_one_ring_buffer(setup, model_path, tokenizer):
     policy, gen, refitter = setup
     _perturb(policy, 1)
