@@ -53,6 +53,7 @@ through Ray (its child *processes* do, through ``os.environ``).
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
 import threading
@@ -449,11 +450,8 @@ class _SharedInitializers:
             idle = sorted((e[2], key) for key, e in self._entries.items() if e[1] == 0)
             for _, key in idle[: max(0, len(idle) - self.keep_idle)]:
                 victims.append(self._entries.pop(key)[0])
-        for victim in victims:
-            try:
-                ray.kill(victim, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+        for victim in victims:  # ray.kill of a dead actor does nothing
+            ray.kill(victim, no_restart=True)
 
     def is_shared(self, handle: Any) -> bool:
         with self._lock:
@@ -593,8 +591,6 @@ class RayWorkerBuilder:
         Returns:
             The initializer actor's handle.
         """
-        import json
-
         ctx = ray.get_runtime_context()
         runtime_env = self._initializer_runtime_env()
         key = (
