@@ -223,6 +223,7 @@ class Roster:
         self.env_layers: list[dict[str, str]] = []
         self._initializer: ray.actor.ActorHandle | None = None
         self._lock = threading.Lock()
+        self._initializer_lock = threading.Lock()
         self._pending: set[ray.actor.ActorHandle] = set()  # recreated, not yet installed
         self._closed = False
 
@@ -404,11 +405,12 @@ class Roster:
             ray.kill(self.actors[rank], no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
-        if self._initializer is not None:
-            # a dead one (killed, OOM) is replaced; its workers died with it
-            old = self._initializer
-            self._initializer = self.builder.shared_initializer()
-            self.builder.release_initializer(old)
+        with self._initializer_lock:  # ranks restart in threads of their own
+            if self._initializer is not None:
+                # a dead one (killed, OOM) is replaced; its workers died with it
+                old = self._initializer
+                self._initializer = self.builder.shared_initializer()
+                self.builder.release_initializer(old)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -468,9 +470,10 @@ class Roster:
             self._pending.clear()
         for a in victims:
             _kill(a)
-        if self._initializer is not None:
-            self.builder.release_initializer(self._initializer)
-            self._initializer = None
+        with self._initializer_lock:
+            if self._initializer is not None:
+                self.builder.release_initializer(self._initializer)
+                self._initializer = None
         names = [f"{self.name}:{r}" for r in range(len(self.actors))]
         self.actors = []
         return names

@@ -5,7 +5,7 @@ arguments. With a dotted path the driver never imports the worker's module: an
 ``IsolatedWorkerInitializer`` actor (running in the class's own runtime environment)
 imports it, asks its optional ``configure_worker`` hook for resources, env vars and init
 kwargs, and creates the worker. A group launched by name takes a *shared* initializer
-(``shared_initializer``: one per Ray job, node, class and runtime environment, kept while a
+(``shared_initializer``: one per Ray session, node, class and runtime environment, kept while a
 group uses it and for the two most recently used idle ones): its import (torch and
 transformers for a policy worker, seconds of CPU on a launch's critical path) is paid once
 for every group of that class launched after it, a relaunched policy included.
@@ -409,39 +409,51 @@ class _Initializer:
 
 
 class _SharedInitializers:
-    """Initializers kept per (Ray job, node, class path, runtime environment).
+    """Initializers kept per (Ray session, node, class path, runtime environment).
 
     An initializer's cost is the import of its class's module (torch and transformers for a
     policy worker: seconds of CPU), and it is on a launch's critical path. Groups of one
     class launched after each other (a relaunched policy, a resumed run, the next test)
     reuse one. An initializer owns the workers it creates, so one is killed only when no
     live group uses it, and only beyond the ``keep_idle`` most recently used idle ones.
+    Entries of an earlier Ray session (``ray.shutdown`` then ``ray.init``) are dropped, not
+    killed: their actors went with that cluster, and their handles are invalid in this one.
     """
 
     def __init__(self, keep_idle: int = 2):
         self.keep_idle = keep_idle
         self._lock = threading.Lock()
         self._entries: dict[tuple, list] = {}  # key -> [handle, users, last release]
+        self._key_locks: dict[tuple, threading.Lock] = {}
         self._clock = 0
 
     def acquire(self, key: tuple, make: Any) -> ray.actor.ActorHandle:
-        """A live initializer for ``key`` (made by ``make()`` if none is), counted as used."""
+        """A live initializer for ``key`` (made by ``make()`` if none is), counted as used.
+
+        Acquires of one key are serialised: two restarts that find a dead initializer at once
+        must not each make a replacement (the one dropped would take its workers with it).
+        """
         with self._lock:
-            entry = self._entries.get(key)
-        if entry is not None and not _initializer_alive(entry[0]):
-            entry = None
-        with self._lock:
-            current = self._entries.get(key)
-            if entry is None or current is not entry:
-                current = [make(), 0, 0]
-                self._entries[key] = current
-            current[1] += 1
-            return current[0]
+            key_lock = self._key_locks.setdefault(key, threading.Lock())
+        with key_lock:
+            with self._lock:
+                entry = self._entries.get(key)
+            alive = entry is not None and _initializer_alive(entry[0])
+            with self._lock:
+                if not alive or self._entries.get(key) is not entry:
+                    entry = [make(), 0, 0]
+                    self._entries[key] = entry
+                entry[1] += 1
+                return entry[0]
 
     def release(self, handle: ray.actor.ActorHandle) -> None:
         """One group no longer uses ``handle``; idle initializers beyond ``keep_idle`` go."""
+        session = _ray_session()
         victims = []
         with self._lock:
+            for key in [k for k in self._entries if k[0] != session]:
+                del self._entries[key]
+                self._key_locks.pop(key, None)
             for entry in self._entries.values():
                 if entry[0] is handle:
                     entry[1] = max(0, entry[1] - 1)
@@ -456,6 +468,11 @@ class _SharedInitializers:
     def is_shared(self, handle: Any) -> bool:
         with self._lock:
             return any(e[0] is handle for e in self._entries.values())
+
+
+def _ray_session() -> str | None:
+    """The connected Ray session's name (job ids restart at 1 in every session), or None."""
+    return ray.get_runtime_context().get_session_name() if ray.is_initialized() else None
 
 
 def _initializer_alive(handle: ray.actor.ActorHandle, timeout: float = 30.0) -> bool:
@@ -591,11 +608,10 @@ class RayWorkerBuilder:
         Returns:
             The initializer actor's handle.
         """
-        ctx = ray.get_runtime_context()
         runtime_env = self._initializer_runtime_env()
         key = (
-            ctx.get_job_id(),
-            ctx.get_node_id(),
+            _ray_session(),
+            ray.get_runtime_context().get_node_id(),
             self.ray_actor_class_fqn,
             json.dumps(runtime_env, sort_keys=True, default=str),
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
@@ -132,6 +133,12 @@ def test_groups_of_one_class_share_an_initializer_that_a_death_replaces(cluster)
         other = other_env.shared_initializer()
         other_env.release_initializer(other)
         assert other is not initializer and _pid(other) != pid
+        ray.kill(other, no_restart=True)  # found dead by four acquires at once: one replaces it
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda _: other_env.shared_initializer(), range(4)))
+        for h in got:
+            other_env.release_initializer(h)
+        assert all(h is got[0] for h in got) and got[0] is not other
 
         ray.kill(initializer, no_restart=True)  # it owns the workers: they die with it
         assert until(lambda: second.num_remote_worker_restarts() == 2, timeout=60)
@@ -147,6 +154,34 @@ def test_groups_of_one_class_share_an_initializer_that_a_death_replaces(cluster)
         for g in groups:
             g.shutdown()
         vc.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_initializers_of_an_earlier_ray_session_are_dropped_not_killed(fresh_ray):
+    """After ``ray.shutdown`` and ``ray.init`` (job ids restart at 1), the idle sweep drops
+    the earlier session's initializers instead of killing their now invalid handles, and a
+    launch in the new session gets a new initializer."""
+    fqn = "tests.workers.PlainWorker"
+    ray.init(num_cpus=2, include_dashboard=False)
+    old_builder = px.RayWorkerBuilder(fqn)
+    old = old_builder.shared_initializer()
+    old_builder.release_initializer(old)
+    ray.shutdown()
+
+    ray.init(num_cpus=2, include_dashboard=False)
+    builders = [px.RayWorkerBuilder(fqn)] + [
+        px.RayWorkerBuilder(fqn).with_runtime_env(env_vars={"PHALANX_X": str(i)}) for i in (1, 2)
+    ]
+    handles = []
+    for b in builders:  # three idle ones beyond keep_idle=2: the sweep runs on each release
+        handles.append(b.shared_initializer())
+        b.release_initializer(handles[-1])
+    assert handles[0] is not old
+    pids = [_pid(h) for h in handles[1:]]  # the two most recent stay, alive
+    assert len(set(pids)) == 2
+    again = builders[2].shared_initializer()
+    builders[2].release_initializer(again)
+    assert again is handles[2]
 
 
 def test_worker_init_failure_names_rank(cluster):
