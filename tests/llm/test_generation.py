@@ -131,21 +131,31 @@ def _noise(worker, std, seed):
     worker._add_noise_to_weights(std, seed)
 
 
+@pytest.fixture(scope="module")
+def restartable_gen(cluster, model_path, tokenizer):
+    """Two generators with a restart policy, shared by the transports' restart tests (each
+    kills rank 0 once: a launch per transport would cost two process starts each)."""
+    gen = HFGenerationWorker.create_group(_gen_cfg(model_path), tokenizer).launch(
+        cluster,
+        px.NodePlacement(num_workers=2),
+        name="gen_ft",
+        restart_policy=px.RestartPolicy(),
+    )
+    yield gen
+    gen.shutdown()
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_dead_generator_is_restarted_and_refitted_before_generating(
-    cluster, setup, model_path, tokenizer, transport
+    setup, restartable_gen, model_path, tokenizer, transport
 ):
     import ray
 
     policy, _ = setup
-    gen = HFGenerationWorker.create_group(_gen_cfg(model_path), tokenizer).launch(
-        cluster,
-        px.NodePlacement(num_workers=2),
-        name=f"gen_ft_{transport}",
-        restart_policy=px.RestartPolicy(),
-    )
+    gen = restartable_gen
+    restarts = gen.num_remote_worker_restarts()
+    refitter = Refitter(policy, gen, transport)
     try:
-        refitter = Refitter(policy, gen, transport)
         seed = 11 + TRANSPORTS.index(transport)
         g = policy.worker_group
         g.apply(_noise, [(r, (0.05, seed), {}) for r in (0, 1)], label="noise").wait(timeout=60)
@@ -158,7 +168,7 @@ def test_dead_generator_is_restarted_and_refitted_before_generating(
         assert until(lambda: gen.health()[0] != px.WorkerHealth.HEALTHY, timeout=30)
         # The next call waits for the restart, which refits rank 0 before it is called.
         outs = gen.generate(data, greedy=True).wait(120)
-        assert gen.num_remote_worker_restarts() == 1
+        assert gen.num_remote_worker_restarts() == restarts + 1
         for out in outs:
             assert torch.equal(out["output_ids"], expected["output_ids"]), transport
         assert gen.execute_on(0).is_alive().wait(30) == [True]
@@ -172,7 +182,7 @@ def test_dead_generator_is_restarted_and_refitted_before_generating(
         for out in gen.generate(data, greedy=True).wait(60):
             assert torch.equal(out["output_ids"], expected["output_ids"]), transport
     finally:
-        gen.shutdown()
+        refitter.close()  # its restart hooks go: the next transport's restores rank 0
 
 
 @pytest.mark.timeout(180)

@@ -159,8 +159,9 @@ def test_groups_of_one_class_share_an_initializer_that_a_death_replaces(cluster)
 @pytest.mark.timeout(120)
 def test_initializers_of_an_earlier_ray_session_are_dropped_not_killed(fresh_ray):
     """After ``ray.shutdown`` and ``ray.init`` (job ids restart at 1), the idle sweep drops
-    the earlier session's initializers instead of killing their now invalid handles, and a
-    launch in the new session gets a new initializer."""
+    the earlier session's initializers instead of killing their now invalid handles, kills
+    this session's idle ones beyond the two most recently used, and a launch in the new
+    session gets a new initializer."""
     fqn = "tests.workers.PlainWorker"
     ray.init(num_cpus=2, include_dashboard=False)
     old_builder = px.RayWorkerBuilder(fqn)
@@ -179,6 +180,8 @@ def test_initializers_of_an_earlier_ray_session_are_dropped_not_killed(fresh_ray
     assert handles[0] is not old
     pids = [_pid(h) for h in handles[1:]]  # the two most recent stay, alive
     assert len(set(pids)) == 2
+    with pytest.raises(ray.exceptions.ActorDiedError):  # the oldest idle one was killed
+        _pid(handles[0])
     again = builders[2].shared_initializer()
     builders[2].release_initializer(again)
     assert again is handles[2]
