@@ -5,8 +5,8 @@ arguments. With a dotted path the driver never imports the worker's module: an
 ``IsolatedWorkerInitializer`` actor (running in the class's own runtime environment)
 imports it, asks its optional ``configure_worker`` hook for resources, env vars and init
 kwargs, and creates the worker. A group launched by name takes a *shared* initializer
-(``shared_initializer``: one per Ray session, node, class and runtime environment, kept while a
-group uses it and for the two most recently used idle ones): its import (torch and
+(``shared_initializer``: one per Ray session, node, class and runtime environment, kept
+while a group uses it and for the two most recently used idle ones): its import (torch and
 transformers for a policy worker, seconds of CPU on a launch's critical path) is paid once
 for every group of that class launched after it, a relaunched policy included.
 
