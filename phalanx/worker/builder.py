@@ -516,7 +516,6 @@ class RayWorkerBuilder:
         self.kwargs = kwargs
         self.env_vars: dict[str, str] = {}
         self.runtime_env: dict[str, Any] = {}
-        self._init_ref: ray.ObjectRef | None = None
 
     @property
     def class_name(self) -> str:
@@ -660,9 +659,7 @@ class RayWorkerBuilder:
         if self.isolated:
             initializer = initializer or self.new_initializer()
             if _SHARED_INITIALIZERS.is_shared(initializer):
-                if self._init_ref is None:  # put once, resolved by Ray in each call
-                    self._init_ref = ray.put((self.args, self.kwargs))
-                options["px_init"] = self._init_ref
+                options["px_init"] = (self.args, self.kwargs)
             ref = initializer.create_worker.remote(
                 placement_group, placement_group_bundle_index, num_gpus, bundle_indices, **options
             )
