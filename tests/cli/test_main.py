@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from phalanx.cli.main import main
+from phalanx.cli.main import main, run
 
 
 @pytest.mark.timeout(120)
@@ -36,6 +36,24 @@ def test_train_lists_the_algorithms(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "ppo" in out and "grpo" in out
+
+
+@pytest.mark.timeout(120)
+def test_the_program_exits_with_mains_status_and_its_objects_frozen(monkeypatch, capsys):
+    """``run`` (the ``phalanx`` script, ``python -m phalanx.cli``) freezes what is alive so
+    that the interpreter's collections at exit skip it."""
+    import gc
+
+    monkeypatch.setattr(sys, "argv", ["phalanx", "train", "ppo", "--gamma", "1.5"])
+    assert gc.get_freeze_count() == 0
+    try:
+        with pytest.raises(SystemExit) as e:
+            run()
+        assert e.value.code == 1  # main's status for the bad value
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    assert "gamma must be <= 1" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(120)

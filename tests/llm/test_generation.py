@@ -133,8 +133,9 @@ def _noise(worker, std, seed):
 
 @pytest.fixture(scope="module")
 def restartable_gen(cluster, model_path, tokenizer):
-    """Two generators with a restart policy, shared by the transports' restart tests (each
-    kills rank 0 once: a launch per transport would cost two process starts each)."""
+    """Two generators with a restart policy, shared by the tests that kill one of them (the
+    transports' restart tests kill rank 0 once each, the collective refit's test rank 1): a
+    group per test would cost two process starts each."""
     gen = HFGenerationWorker.create_group(_gen_cfg(model_path), tokenizer).launch(
         cluster,
         px.NodePlacement(num_workers=2),
@@ -234,22 +235,15 @@ def _exit_after(worker, delay_s, started):
     os._exit(1)
 
 
-@pytest.mark.slow(
-    reason="a two-worker generation group of its own, three collective refits and a restart"
-)
 @pytest.mark.timeout(120)
 def test_generator_dying_mid_collective_refit_is_named_and_next_refit_works(
-    cluster, setup, model_path, tokenizer, tmp_path
+    setup, restartable_gen, model_path, tokenizer, tmp_path
 ):
     policy, _ = setup
-    gen = HFGenerationWorker.create_group(_gen_cfg(model_path), tokenizer).launch(
-        cluster,
-        px.NodePlacement(num_workers=2),
-        name="gen_coll_kill",
-        restart_policy=px.RestartPolicy(),
-    )
+    gen = restartable_gen
+    restarts = gen.num_remote_worker_restarts()
+    refitter = Refitter(policy, gen, "collective", peer_timeout_s=20)
     try:
-        refitter = Refitter(policy, gen, "collective", peer_timeout_s=20)
         refitter.refit()  # the refit group exists before the death
         g = policy.worker_group
         g.apply(_noise, [(r, (0.05, 21), {}) for r in (0, 1)], label="noise").wait(timeout=60)
@@ -259,18 +253,18 @@ def test_generator_dying_mid_collective_refit_is_named_and_next_refit_works(
         gen.apply(_exit_after, [(1, (1.0, str(started)), {})], label="exit")
         assert until(started.exists, timeout=30)
         t0 = time.perf_counter()
-        with pytest.raises(RuntimeError, match=r"gen_coll_kill\[rank 1\]: worker died"):
+        with pytest.raises(RuntimeError, match=r"gen_ft\[rank 1\]: worker died"):
             refitter.refit()
         assert time.perf_counter() - t0 < 20
         # The next refit waits for the restart, rebuilds the group and reaches everyone.
         refitter.refit()
-        assert gen.num_remote_worker_restarts() == 1
+        assert gen.num_remote_worker_restarts() == restarts + 1
         data = _prompts(tokenizer, n=6, seed=21)
         expected = _local_greedy(model_path, policy.state_dict(), tokenizer, data, max_new=6)
         for out in gen.generate(data, greedy=True).wait(60):
             assert torch.equal(out["output_ids"], expected["output_ids"])
     finally:
-        gen.shutdown()
+        refitter.close()
 
 
 @pytest.mark.timeout(60)

@@ -168,13 +168,13 @@ def test_multinode_gpu_placement(two_nodes):
     assert time.monotonic() - t0 < 5
 
 
-@pytest.mark.slow(reason="50 create-and-shutdown cycles of a virtual cluster and a group")
+@pytest.mark.slow(reason="25 create-and-shutdown cycles of a virtual cluster and a group")
 @pytest.mark.timeout(600)
 def test_create_shutdown_cycles_leave_nothing_behind(cluster):
     from tests.workers import Recorder
 
     before_actors = set(_named_actors())
-    for i in range(50):
+    for i in range(25):
         vc = px.RayVirtualCluster([1], use_gpus=False, name=f"cycle{i}")
         g = px.RayWorkerGroup(vc, px.RayWorkerBuilder(Recorder), name_prefix="cycle")
         assert g.run_all_workers_single_data("noop") is not None
