@@ -401,10 +401,7 @@ class Roster:
     # -- restart ----------------------------------------------------------------------------
     def _recreate(self, rank: int, timeout: float) -> ray.actor.ActorHandle:
         """Kill the actor of ``rank`` (freeing its name) and create it again on its slot."""
-        try:
-            ray.kill(self.actors[rank], no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
+        _kill(self.actors[rank])
         with self._initializer_lock:  # ranks restart in threads of their own
             if self._initializer is not None:
                 # a dead one (killed, OOM) is replaced; its workers died with it
